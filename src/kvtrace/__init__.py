@@ -1,0 +1,68 @@
+"""kvtrace: compile and export transformer decoders together with their KV cache.
+
+Public API (everything else lives in private modules and may change)::
+
+    jm = kvtrace.jit(model)                       # drop-in for HF-style calls with a DynamicCache/StaticCache
+    kvtrace.export("smollm2-135m-instruct", "m.kvt", max_seq_len=512)
+    art = kvtrace.load("m.kvt"); s = art.session(); s.prefill(tokens); s.decode(tok)
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+from kvtrace._errors import (
+    ArtifactError,
+    CacheOverflowError,
+    CaptureError,
+    KvtraceError,
+    SourceError,
+    UnsupportedError,
+    UsageError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArtifactError",
+    "CacheOverflowError",
+    "CacheSpec",
+    "CaptureError",
+    "KvtraceError",
+    "LayerKind",
+    "LayerSpec",
+    "SourceError",
+    "UnsupportedError",
+    "UsageError",
+    "__version__",
+    "export",
+    "jit",
+    "load",
+    "verify",
+]
+
+# Heavy modules (torch, transformers) are imported lazily: `import kvtrace` has no side effects
+# and loading an artifact never pulls in transformers.
+_LAZY = {
+    "CacheSpec": "kvtrace._cache_spec",
+    "LayerKind": "kvtrace._cache_spec",
+    "LayerSpec": "kvtrace._cache_spec",
+    "jit": "kvtrace._jit",
+    "export": "kvtrace._export",
+    "load": "kvtrace._artifact",
+    "verify": "kvtrace._verify",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtrace._artifact import load
+    from kvtrace._cache_spec import CacheSpec, LayerKind, LayerSpec
+    from kvtrace._export import export
+    from kvtrace._jit import jit
+    from kvtrace._verify import verify
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'kvtrace' has no attribute {name!r}")

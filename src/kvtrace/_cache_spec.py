@@ -1,0 +1,152 @@
+"""CacheSpec: the declared shape, size and initial state of a decoder's KV cache.
+
+Everything that allocates, exports, checks or reports a cache derives from a CacheSpec;
+nothing guesses a cache's shape from tensors at run time.
+
+Invariants (checked in ``__post_init__``):
+  * every layer's ``max_len`` is ``max_seq_len`` for FULL layers, ``window`` for SLIDING layers,
+    and the fixed number of encoder/image tokens for CROSS layers;
+  * buffers are named uniquely and listed in program-signature order (``buffers()``);
+  * initial values are plain numbers; a buffer is (re)set by ``fill_(init)``.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from kvtrace._errors import ArtifactError, UsageError
+
+__all__ = ["BufferSpec", "CacheSpec", "LayerKind", "LayerSpec"]
+
+LAYOUT = "[B, H_kv, S, D]"
+
+
+class LayerKind(str, enum.Enum):
+    FULL = "full"  # self-attention over every past token, grows up to max_seq_len
+    SLIDING = "sliding"  # self-attention over the last `window` tokens
+    CROSS = "cross"  # cross-attention to a fixed number of encoder/image tokens, filled once at prefill
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One tensor of cache state as it appears in a program signature."""
+
+    name: str  # e.g. "layers.3.k"
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without "torch.", e.g. "float32"
+    init: float = 0.0  # the declared initial value; reset() refills with it
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def allocate(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return torch.full(self.shape, self.init, dtype=self.torch_dtype, device=device)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    kind: LayerKind
+    n_kv_heads: int
+    head_dim: int
+    max_len: int  # S in [B, H_kv, S, D]
+    window: int | None = None  # only for SLIDING
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Declared KV cache of one decoder.
+
+    ``layers[i]`` describes decoder layer i. Each layer owns a K and a V buffer of shape
+    ``[batch_size, n_kv_heads, max_len, head_dim]`` (``LAYOUT``). ``extra`` lists further state
+    buffers (e.g. a position counter or a sentinel) with their declared initial values.
+    """
+
+    layers: tuple[LayerSpec, ...]
+    batch_size: int
+    max_seq_len: int
+    dtype: str
+    layout: str = LAYOUT
+    kv_init: float = 0.0
+    extra: tuple[BufferSpec, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_seq_len < 1:
+            raise UsageError(
+                f"CacheSpec needs batch_size >= 1 and max_seq_len >= 1, got {self.batch_size} and {self.max_seq_len}"
+            )
+        for i, layer in enumerate(self.layers):
+            if layer.kind is LayerKind.FULL and layer.max_len != self.max_seq_len:
+                raise UsageError(
+                    f"layer {i}: a full-attention layer holds max_seq_len={self.max_seq_len} positions, "
+                    f"but its spec says max_len={layer.max_len}"
+                )
+            if layer.kind is LayerKind.SLIDING and layer.window != layer.max_len:
+                raise UsageError(f"layer {i}: sliding window {layer.window} != max_len {layer.max_len}")
+        names = [b.name for b in self.buffers()]
+        if len(set(names)) != len(names):
+            raise UsageError(f"CacheSpec buffer names must be unique, got {names}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def buffers(self) -> tuple[BufferSpec, ...]:
+        """All state tensors in program-signature order: k0, v0, k1, v1, ..., then extras."""
+        out: list[BufferSpec] = []
+        for i, layer in enumerate(self.layers):
+            shape = (self.batch_size, layer.n_kv_heads, layer.max_len, layer.head_dim)  # [B, H_kv, S, D]
+            out.append(BufferSpec(f"layers.{i}.k", shape, self.dtype, self.kv_init))
+            out.append(BufferSpec(f"layers.{i}.v", shape, self.dtype, self.kv_init))
+        out.extend(self.extra)
+        return tuple(out)
+
+    def allocate(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
+        """Fresh state tensors holding the declared initial values."""
+        return [b.allocate(device) for b in self.buffers()]
+
+    def reset_(self, state: list[torch.Tensor]) -> None:
+        """Refill ``state`` in place with the declared initial values."""
+        for b, t in zip(self.buffers(), state, strict=True):
+            t.fill_(b.init)
+
+    def nbytes(self) -> int:
+        return sum(
+            torch.Size(b.shape).numel() * torch.empty((), dtype=b.torch_dtype).element_size()
+            for b in self.buffers()
+        )
+
+    # --- (de)serialisation: plain JSON, no pickles -------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["layers"] = [{**asdict(layer), "kind": layer.kind.value} for layer in self.layers]
+        d["extra"] = [{**asdict(b), "shape": list(b.shape)} for b in self.extra]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CacheSpec:
+        try:
+            layers = tuple(LayerSpec(**{**x, "kind": LayerKind(x["kind"])}) for x in d["layers"])
+            extra = tuple(BufferSpec(**{**b, "shape": tuple(b["shape"])}) for b in d.get("extra", ()))
+            rest = {k: v for k, v in d.items() if k not in ("layers", "extra")}
+            return cls(layers=layers, extra=extra, **rest)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(f"cache spec in manifest is malformed ({e}); re-export the artifact") from e
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    def describe(self) -> str:
+        kinds = {}
+        for layer in self.layers:
+            kinds[layer.kind.value] = kinds.get(layer.kind.value, 0) + 1
+        k = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        return (
+            f"{len(self.layers)} layers ({k}), batch {self.batch_size}, max_seq_len {self.max_seq_len}, "
+            f"{self.dtype}, {self.layout}, {self.nbytes() / 2**20:.1f} MiB"
+        )

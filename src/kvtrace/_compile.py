@@ -1,0 +1,58 @@
+"""Thin glue over AOTInductor: an ExportedProgram -> a loaded, guard-free compiled callable."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["aoti_compile", "aoti_load"]
+
+
+def inductor_options() -> dict[str, Any]:
+    """Inductor settings kvtrace compiles with (one place, reported by bench)."""
+    return {
+        # Weights stay outside the .so; they are loaded from the model / artifact once.
+        "aot_inductor.package_constants_in_so": False,
+    }
+
+
+def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLike[str]) -> Callable[..., Any]:
+    """Compile ``ep`` ahead of time and load it, with the ExportedProgram's own weights attached."""
+    path = torch._inductor.aoti_compile_and_package(
+        ep, package_path=os.fspath(package_path), inductor_configs=inductor_options()
+    )
+    return aoti_load(path, weights=_weights_of(ep))
+
+
+def _weights_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = dict(ep.state_dict)
+    out.update({k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def aoti_load(path: str | os.PathLike[str], weights: dict[str, torch.Tensor], model_name: str = "model") -> Callable[..., Any]:
+    """Load a compiled package and hand it the weights by reference (no copy)."""
+    from torch._inductor.package import load_package
+
+    runner = load_package(os.fspath(path), model_name)
+    missing = [k for k in runner.get_constant_fqns() if k not in weights]
+    if missing:
+        raise KeyError(f"compiled program needs weights the caller did not provide: {missing[:5]}")
+    runner.load_constants(
+        {k: weights[k] for k in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
+    )
+    return _FlatRunner(runner)
+
+
+class _FlatRunner:
+    """Calls the compiled model with a flat list of tensors (skips pytree work on the hot path)."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self._run = runner.loader.boxed_run
+
+    def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
+        return self._run(list(flat))

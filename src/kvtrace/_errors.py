@@ -1,0 +1,44 @@
+"""One error hierarchy. Library code raises these; only the CLI prints and exits."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ArtifactError",
+    "CacheOverflowError",
+    "CaptureError",
+    "KvtraceError",
+    "SourceError",
+    "UnsupportedError",
+    "UsageError",
+]
+
+
+class KvtraceError(Exception):
+    """Base class of every error kvtrace raises on purpose.
+
+    Messages say what was expected, what was found, and what to do.
+    """
+
+
+class UsageError(KvtraceError, ValueError):
+    """Bad input from the caller: wrong argument, wrong shape, empty prompt."""
+
+
+class SourceError(UsageError):
+    """A model source could not be resolved or read (missing path, not a model, wrong architecture)."""
+
+
+class UnsupportedError(KvtraceError):
+    """The model or cache is of a kind kvtrace does not support (yet)."""
+
+
+class CaptureError(KvtraceError):
+    """Capturing (tracing/exporting/compiling) a program failed. The caller's objects are untouched."""
+
+
+class CacheOverflowError(UsageError):
+    """A prompt or a decode step would go past the cache's declared max sequence length."""
+
+
+class ArtifactError(KvtraceError):
+    """An artifact file is corrupt, truncated, or of an unknown manifest version."""

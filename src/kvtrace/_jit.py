@@ -1,0 +1,396 @@
+"""kvtrace.jit: compile HF decoder calls that carry a KV cache, in three small stages.
+
+1. prologue  — read the call (which kwargs, which cache, dtypes, batch) into a frozen ``CallKey``;
+               validate it; pick a captured program by that key. Lengths and positions are never
+               part of the key.
+2. computation — the captured program: a pure function of tensors
+               ``(inputs..., cache state...) -> (logits, new cache state...)`` exported with
+               torch.export on *synthetic* example tensors (the caller's objects are never traced)
+               with symbolic sequence and past lengths, run uncompiled (``backend="eager"``) or
+               compiled ahead of time by AOTInductor (``backend="inductor"``: no guards, so no
+               recompiles).
+3. epilogue  — write the new cache tensors back into the caller's own cache object and build the
+               HF-style output (same object returned as ``out.past_key_values``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtrace import _hf_cache as hfc
+from kvtrace._errors import CacheOverflowError, CaptureError, KvtraceError, UnsupportedError, UsageError
+from kvtrace._hf_cache import CacheKind
+
+__all__ = ["CallKey", "JitStats", "JittedModel", "jit"]
+
+log = logging.getLogger("kvtrace")
+
+BACKENDS = ("inductor", "eager")
+# Tensor inputs a call may carry, in program-signature order, with their sequence dimension.
+_SEQ_DIM = {"input_ids": 1, "inputs_embeds": 1, "attention_mask": 1, "position_ids": -1, "cache_position": 0}
+_FLAGS = ("use_cache", "return_dict", "logits_to_keep")
+# Example sizes used for capture: >= 2 and pairwise distinct, so no length is specialised or unified.
+_T_EX, _P_EX = 3, 5
+
+
+@dataclass
+class JitStats:
+    """Counters of one jitted model. ``captures`` counts programs captured (exported+compiled)."""
+
+    calls: int = 0
+    captures: int = 0
+    fallbacks: int = 0
+    capture_seconds: list[float] = field(default_factory=list)
+    specializations: list[str] = field(default_factory=list)  # dims a capture had to bake in (should stay empty)
+
+
+@dataclass(frozen=True)
+class CallKey:
+    """What changes a captured graph. Sequence length, past length and positions are *not* here."""
+
+    cache: CacheKind
+    inputs: tuple[str, ...]  # names of the tensor inputs present, in signature order
+    dtypes: tuple[str, ...]  # their dtypes, then the cache dtype
+    batch: int
+    device: str
+    model_dtype: str
+    static_len: int | None  # StaticCache max_cache_len (a static shape), else None
+    logits_to_keep: int
+    pinned: tuple[tuple[int, int, int], ...] = ()  # (arg, dim, size) a capture could not keep symbolic
+
+
+@dataclass
+class _Call:
+    """The prologue's reading of one call."""
+
+    key: CallKey
+    tensors: list[torch.Tensor]  # the caller's input tensors, in key.inputs order
+    cache: Any  # the caller's cache object (or one we created, as eager would)
+    return_dict: bool
+    past_len: int
+
+
+class _Step(torch.nn.Module):
+    """The pure computation the program captures: tensors in, logits (+ new cache state) out."""
+
+    def __init__(self, model: torch.nn.Module, key: CallKey, n_layers: int, cache_kw: str, template: Any):
+        super().__init__()
+        self.model = model
+        self.key = key
+        self.n_layers = n_layers
+        self.cache_kw = cache_kw
+        self.template = template
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n_in = len(self.key.inputs)
+        kwargs: dict[str, Any] = dict(zip(self.key.inputs, flat[:n_in], strict=True))
+        state = list(flat[n_in:])
+        kind = self.key.cache
+        if kind is CacheKind.NONE:
+            cache = None
+        elif kind is CacheKind.STATIC:
+            cache = hfc.build_static(self.template, state)
+        else:
+            cache = hfc.build_dynamic(state if kind is CacheKind.DYNAMIC else None, self.n_layers)
+        if self.key.logits_to_keep:
+            kwargs["logits_to_keep"] = self.key.logits_to_keep
+        out = self.model(**kwargs, **{self.cache_kw: cache}, use_cache=kind is not CacheKind.NONE, return_dict=True)
+        if kind in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+            return (out.logits, *hfc.dynamic_state(cache))  # grown state [B, H_kv, P + T, D]
+        return (out.logits,)  # static state was mutated in place (declared input mutation)
+
+
+class JittedModel:
+    """A compiled stand-in for an HF causal LM's ``forward``. Call it exactly like the model."""
+
+    def __init__(self, model: torch.nn.Module, *, backend: str = "inductor", fallback: str | None = None):
+        if backend not in BACKENDS:
+            raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if fallback not in (None, "eager"):
+            raise UsageError(f"fallback must be None or 'eager', got {fallback!r}")
+        if not hasattr(model, "config"):
+            raise UnsupportedError(
+                f"kvtrace.jit expects a HuggingFace causal LM (a model with .config), got {type(model).__name__}"
+            )
+        self.model = model
+        self.backend = backend
+        self.fallback = fallback
+        self.stats = JitStats()
+        self._programs: dict[CallKey, Callable[..., Any]] = {}
+        self._cache_kw = hfc.cache_kwarg_name(model)
+        self._signature = inspect.signature(model.forward)
+        self._n_layers, self._n_kv, self._head_dim = hfc.kv_geometry(model.config)
+        self._warned = False
+        self._pins: dict[CallKey, list[tuple[int, int]]] = {}  # dims a capture could not keep symbolic
+        self._workdir: tempfile.TemporaryDirectory[str] | None = None
+
+    def __repr__(self) -> str:
+        return f"kvtrace.jit({type(self.model).__name__}, backend={self.backend!r}, stats={self.stats})"
+
+    def __getattr__(self, name: str) -> Any:  # drop-in: jm.config, jm.device, ...
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.stats.calls += 1
+        try:
+            call = self._prologue(args, kwargs)
+        except UnsupportedError as e:
+            if self.fallback != "eager":
+                raise
+            if not self._warned:
+                warnings.warn(f"kvtrace.jit falls back to eager: {e}", stacklevel=2)
+                self._warned = True
+            self.stats.fallbacks += 1
+            return self.model(*args, **kwargs)
+        program = self._programs.get(call.key) or self._capture(call)
+        if call.key.cache is CacheKind.STATIC:  # HF's own lazy init, as eager does on first use
+            hfc.ensure_static_initialized(
+                call.cache, call.key.batch, self._n_kv, self._head_dim, self._cache_dtype(call), call.tensors[0].device
+            )
+        state = self._state(call)
+        outs = program(*call.tensors, *state)
+        return self._epilogue(call, outs)
+
+    # --- stage 1: prologue --------------------------------------------------------------------
+    def _prologue(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
+        if "cache" in kwargs and "past_key_values" in kwargs:
+            raise UsageError("pass the cache as `cache=` or `past_key_values=`, not both")
+        kwargs = dict(kwargs)  # never modify the caller's dict
+        alias = "past_key_values" if self._cache_kw == "cache" else "cache"
+        if alias in kwargs:  # accept both spellings (transformers 4.x and 5.x)
+            kwargs[self._cache_kw] = kwargs.pop(alias)
+        try:
+            bound = self._signature.bind(*args, **kwargs).arguments
+        except TypeError as e:
+            raise UsageError(f"{type(self.model).__name__}.forward does not take these arguments: {e}") from e
+        extra = bound.pop("kwargs", {}) or {}
+        bound.update(extra)
+        unknown = sorted(k for k, v in bound.items() if v is not None and k not in (*_SEQ_DIM, *_FLAGS, self._cache_kw)
+                         and not (k in ("output_attentions", "output_hidden_states") and v is False))
+        if unknown:
+            raise UnsupportedError(
+                f"kvtrace.jit does not support the argument(s) {unknown}; supported: "
+                f"{sorted((*_SEQ_DIM, *_FLAGS, 'past_key_values'))}"
+            )
+        if (bound.get("input_ids") is None) == (bound.get("inputs_embeds") is None):
+            raise UsageError("pass exactly one of input_ids or inputs_embeds")
+        cfg = self.model.config
+        use_cache = bound.get("use_cache")
+        use_cache = getattr(cfg, "use_cache", True) if use_cache is None else bool(use_cache)
+        return_dict = bound.get("return_dict")
+        return_dict = getattr(cfg, "use_return_dict", getattr(cfg, "return_dict", True)) if return_dict is None else return_dict
+        cache = bound.get(self._cache_kw)
+        if cache is None and use_cache:
+            cache = hfc.new_dynamic_cache(cfg)  # what eager does
+        if cache is not None and not use_cache:
+            raise UnsupportedError("a cache together with use_cache=False is not supported; drop one of them")
+        kind = hfc.classify(cache)
+
+        names = tuple(n for n in _SEQ_DIM if bound.get(n) is not None)
+        tensors = [bound[n] for n in names]
+        for n, t in zip(names, tensors, strict=True):
+            if not isinstance(t, torch.Tensor):
+                raise UsageError(f"{n} must be a torch.Tensor, got {type(t).__name__}")
+        main = tensors[0]  # input_ids [B, T] or inputs_embeds [B, T, H]
+        batch, t_len = main.shape[0], main.shape[1]
+        if t_len < 1:
+            raise UsageError(f"{names[0]} has 0 tokens; expected at least 1")
+        past = 0
+        static_len = None
+        cache_dtype = ""
+        if kind is CacheKind.DYNAMIC:
+            k0 = cache.layers[0].keys  # [B, H_kv, P, D]
+            past, cache_dtype = k0.shape[-2], str(k0.dtype)
+            if k0.shape[0] != batch:
+                raise UsageError(f"cache holds batch {k0.shape[0]} but the inputs have batch {batch}")
+            if len(cache.layers) != self._n_layers:
+                raise UsageError(f"cache has {len(cache.layers)} layers, the model has {self._n_layers}")
+        elif kind is CacheKind.STATIC:
+            static_len = hfc.static_max_len(cache)
+            layer0 = cache.layers[0]
+            cache_dtype = str(next(self.model.parameters()).dtype)  # what HF's lazy init will allocate
+            if layer0.is_initialized:
+                past = int(layer0.cumulative_length)  # host-side read, outside any trace
+                cache_dtype = str(layer0.keys.dtype)
+                if layer0.keys.shape[0] != batch:
+                    raise UsageError(f"cache holds batch {layer0.keys.shape[0]} but the inputs have batch {batch}")
+            if past + t_len > static_len:
+                raise CacheOverflowError(
+                    f"StaticCache holds {static_len} positions; {past} are used and the call adds {t_len} "
+                    f"({past + t_len} > {static_len}). Create the cache with a larger max_cache_len."
+                )
+        mask = bound.get("attention_mask")
+        if mask is not None and kind is not CacheKind.STATIC and mask.shape[-1] != past + t_len:
+            raise UsageError(
+                f"attention_mask covers {mask.shape[-1]} positions, expected past + new = {past} + {t_len} = {past + t_len}"
+            )
+        keep = bound.get("logits_to_keep") or 0
+        if not isinstance(keep, int):
+            raise UnsupportedError("logits_to_keep must be an int for kvtrace.jit")
+        param = next(self.model.parameters())
+        key = CallKey(
+            cache=kind,
+            inputs=names,
+            dtypes=(*(str(t.dtype) for t in tensors), cache_dtype),
+            batch=batch,
+            device=str(main.device),
+            model_dtype=str(param.dtype),
+            static_len=static_len,
+            logits_to_keep=keep,
+        )
+        key = self._pinned_key(key, tensors)
+        return _Call(key=key, tensors=tensors, cache=cache, return_dict=bool(return_dict), past_len=past)
+
+    def _pinned_key(self, key: CallKey, tensors: list[torch.Tensor]) -> CallKey:
+        """If an earlier capture for this key had to specialise a dim, key on that dim's real size."""
+        pinned = self._pins.get(key)
+        if not pinned:
+            return key
+        return dataclasses.replace(key, pinned=tuple((a, d, tensors[a].shape[d]) for a, d in pinned))
+
+    def _cache_dtype(self, call: _Call) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _state(self, call: _Call) -> list[torch.Tensor]:
+        if call.key.cache is CacheKind.DYNAMIC:
+            return hfc.dynamic_state(call.cache)
+        if call.key.cache is CacheKind.STATIC:
+            return hfc.static_state(call.cache)
+        return []
+
+    # --- stage 2: capture the computation -------------------------------------------------------
+    def _examples(self, call: _Call, exact: bool) -> tuple[list[torch.Tensor], list[Any]]:
+        """Synthetic example inputs (never the caller's tensors) and their dynamic-shape spec."""
+        from torch.export import Dim
+
+        key = call.key
+        t_ex = call.tensors[0].shape[1] if exact else _T_EX
+        p_ex = call.past_len if exact else (0 if key.cache is CacheKind.DYNAMIC_FRESH else _P_EX)
+        if key.static_len is not None:
+            p_ex = min(p_ex, max(key.static_len - t_ex, 0))
+        examples: list[torch.Tensor] = []
+        shapes: list[Any] = []
+        for name, t in zip(key.inputs, call.tensors, strict=True):
+            dim = _SEQ_DIM[name] % t.dim()
+            size = list(t.shape)
+            size[dim] = p_ex + t_ex if name == "attention_mask" else t_ex
+            if name in ("position_ids", "cache_position"):
+                ex = (torch.arange(t_ex, device=t.device, dtype=t.dtype) + p_ex).expand(size).contiguous()
+            elif name == "attention_mask":
+                ex = torch.ones(size, dtype=t.dtype, device=t.device)
+            else:
+                ex = torch.zeros(size, dtype=t.dtype, device=t.device)
+            examples.append(ex)
+            shapes.append({dim: Dim.AUTO})
+        if key.cache is CacheKind.DYNAMIC:
+            k0 = call.cache.layers[0].keys
+            shape = (key.batch, k0.shape[1], p_ex, k0.shape[3])  # [B, H_kv, P, D]
+            for _ in range(2 * self._n_layers):
+                examples.append(torch.zeros(shape, dtype=k0.dtype, device=k0.device))
+                shapes.append({2: Dim.AUTO})
+        elif key.cache is CacheKind.STATIC:
+            dtype = self._cache_dtype(call)
+            shape = (key.batch, self._n_kv, key.static_len, self._head_dim)  # [B, H_kv, S_max, D]
+            for _ in range(self._n_layers):
+                examples += [torch.zeros(shape, dtype=dtype, device=key.device),
+                             torch.zeros(shape, dtype=dtype, device=key.device),
+                             torch.tensor(p_ex, dtype=torch.int64, device=key.device)]
+                shapes += [None, None, None]
+        return examples, shapes
+
+    def _export(self, call: _Call, exact: bool) -> tuple[torch.export.ExportedProgram, list[tuple[int, int]]]:
+        template = None
+        if call.key.cache is CacheKind.STATIC:
+            template = hfc.static_template(call.cache)
+            if not call.cache.layers[0].is_initialized:
+                for layer in template.layers:
+                    probe = torch.empty(call.key.batch, self._n_kv, 0, self._head_dim,
+                                        dtype=self._cache_dtype(call), device=call.key.device)
+                    layer.lazy_initialization(probe, probe)
+        step = _Step(self.model, call.key, self._n_layers, self._cache_kw, template)
+        examples, shapes = self._examples(call, exact)
+        ep = torch.export.export(step, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
+        # Which intended-symbolic dims did the trace bake in as constants?
+        placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(examples):]
+        baked = []
+        for a, (node, spec) in enumerate(zip(placeholders, shapes, strict=True)):
+            for d in spec or {}:
+                if not isinstance(node.meta["val"].shape[d], torch.SymInt):
+                    baked.append((a, d))
+        return ep, baked
+
+    def _capture(self, call: _Call) -> Callable[..., Any]:
+        t0 = time.perf_counter()
+        name = type(self.model).__name__
+        stage = "export"
+        try:
+            ep, baked = self._export(call, exact=False)
+            if baked:  # keep results correct: pin those dims to the real sizes and recapture
+                self.stats.specializations.append(
+                    f"{name}: {call.key.cache.value} program baked dims {baked} (arg, dim); keyed on their sizes"
+                )
+                self._pins[call.key] = baked
+                call.key = self._pinned_key(call.key, call.tensors)
+                ep, _ = self._export(call, exact=True)
+            stage = "compile"
+            program = self._compile(ep, call.key)
+        except KvtraceError:
+            raise
+        except Exception as e:
+            raise CaptureError(
+                f"kvtrace.jit could not capture {name} at stage '{stage}' "
+                f"(cache={call.key.cache.value}, inputs={list(call.key.inputs)}): {type(e).__name__}: {e}"
+            ) from e
+        self._programs[call.key] = program
+        self.stats.captures += 1
+        self.stats.capture_seconds.append(time.perf_counter() - t0)
+        log.info("captured %s program for %s in %.1fs", call.key.cache.value, name, self.stats.capture_seconds[-1])
+        return program
+
+    def _compile(self, ep: torch.export.ExportedProgram, key: CallKey) -> Callable[..., Any]:
+        if self.backend == "eager":
+            return ep.module()
+        from kvtrace._compile import aoti_compile
+
+        if self._workdir is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="kvtrace-jit-")
+        return aoti_compile(ep, f"{self._workdir.name}/program{len(self._programs)}.pt2")
+
+    # --- stage 3: epilogue --------------------------------------------------------------------
+    def _epilogue(self, call: _Call, outs: Any) -> Any:
+        outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        logits = outs[0]
+        if call.key.cache in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+            hfc.write_back_dynamic(call.cache, outs[1:])
+        return hfc.make_output(self.model, logits, call.cache, call.return_dict)
+
+
+def jit(model: torch.nn.Module, *, backend: str = "inductor", fallback: str | None = None) -> JittedModel:
+    """Compile ``model.forward`` for HF-style calls with a KV cache.
+
+    Args:
+        model: an HF decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, Phi-3, ...), in eval mode.
+        backend: ``"inductor"`` (AOTInductor-compiled programs) or ``"eager"`` (captured programs
+            run uncompiled; fast to capture, useful for debugging).
+        fallback: ``None`` (unsupported calls raise ``UnsupportedError``) or ``"eager"`` (they run
+            the model uncompiled, with one warning).
+
+    Returns:
+        ``jm`` with the calling convention of ``model.forward``; ``jm.stats`` counts calls and captures.
+    """
+    return JittedModel(model, backend=backend, fallback=fallback)
