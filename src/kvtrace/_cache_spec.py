@@ -26,7 +26,7 @@ __all__ = ["BufferSpec", "CacheSpec", "LayerKind", "LayerSpec"]
 LAYOUT = "[B, H_kv, S, D]"
 
 
-class LayerKind(str, enum.Enum):
+class LayerKind(enum.StrEnum):
     FULL = "full"  # self-attention over every past token, grows up to max_seq_len
     SLIDING = "sliding"  # self-attention over the last `window` tokens
     CROSS = "cross"  # cross-attention to a fixed number of encoder/image tokens, filled once at prefill

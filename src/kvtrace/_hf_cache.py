@@ -27,7 +27,7 @@ SUPPORTED = (
 )
 
 
-class CacheKind(str, enum.Enum):
+class CacheKind(enum.StrEnum):
     NONE = "none"  # use_cache=False: stateless forward
     DYNAMIC_FRESH = "dynamic-fresh"  # DynamicCache with nothing in it yet
     DYNAMIC = "dynamic"  # DynamicCache holding P >= 1 past tokens
