@@ -1,0 +1,205 @@
+"""kvtrace.export: a Decoder + CacheSpec -> prefill and decode programs -> one artifact file.
+
+The torch.export glue, kept thin:
+  prefill = export(decoder, (tokens[B, T], input_pos[T], *cache))   T symbolic in [1, max_seq_len]
+  decode  = export(decoder, (tokens[B, 1], input_pos[1], *cache))
+The cache tensors are program inputs that the programs update in place; a Session allocates them
+from the CacheSpec with their declared initial values.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtrace._artifact import BACKENDS, PROGRAMS, Manifest, dedupe_weights, write_artifact
+from kvtrace._errors import CaptureError, KvtraceError, UsageError
+
+__all__ = ["capture_programs", "export"]
+
+PROGRAM_SIGNATURES = {
+    "prefill": "(tokens[B,T] int64, input_pos[T] int64, *cache) -> logits[B,T,V]; 1 <= T <= max_seq_len",
+    "decode": "(tokens[B,1] int64, input_pos[1] int64, *cache) -> logits[B,1,V]",
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class ExportMeta:
+    """What the manifest records about where the decoder came from."""
+
+    model_name: str = ""
+    model_type: str = ""
+    source_digest: str = ""
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    chat_template: str | None = None
+    tokenizer_json: str | None = None
+
+
+def capture_programs(decoder: torch.nn.Module) -> dict[str, torch.export.ExportedProgram]:
+    """Export ``decoder`` twice: prefill (T symbolic) and decode (T = 1), same cache signature."""
+    from torch.export import Dim
+
+    spec = decoder.cache_spec
+    b = spec.batch_size
+    n_state = len(spec.buffers())
+    t = Dim("T", min=1, max=spec.max_seq_len)
+    ex_t = min(3, spec.max_seq_len)  # example length >= 2 keeps T symbolic
+    prefill_args = (torch.zeros(b, ex_t, dtype=torch.int64), torch.arange(ex_t), *spec.allocate())
+    decode_args = (torch.zeros(b, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), *spec.allocate())
+    with torch.no_grad():
+        prefill = torch.export.export(
+            decoder, prefill_args, dynamic_shapes=({1: t}, {0: t}, tuple([None] * n_state)), strict=False
+        )
+        decode = torch.export.export(decoder, decode_args, strict=False)
+    return {"prefill": prefill, "decode": decode}
+
+
+def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for ep in eps.values():
+        for name, t in [*ep.state_dict.items(), *ep.constants.items()]:
+            if isinstance(t, torch.Tensor):
+                if name in out and out[name].data_ptr() != t.data_ptr():
+                    raise CaptureError(f"programs disagree about weight {name}; they must share one weight set")
+                out[name] = t
+    return out
+
+
+def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
+                   weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    if backend == "exported":
+        from torch._export.serde.serialize import serialize
+
+        return {
+            f"programs/{name}.json": serialize(
+                ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
+            ).exported_program
+            for name, ep in eps.items()
+        }
+    from torch._inductor.package import package_aoti
+
+    from kvtrace._compile import inductor_options
+
+    with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
+        files = {}
+        for name, ep in eps.items():
+            opts = {**inductor_options(), "aot_inductor.package": True, "aot_inductor.model_name_for_generated_files": name}
+            files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
+        pkg = Path(tmp) / "aoti.pt2"
+        package_aoti(str(pkg), files)
+        return {"programs/aoti.pt2": pkg.read_bytes()}
+
+
+def _example_args(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
+    args, _ = ep.example_inputs
+    return args
+
+
+def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int
+                 ) -> tuple[torch.nn.Module, torch.nn.Module | None, ExportMeta]:
+    """Return (decoder, eager HF model or None, meta) for a source string/path, HF model or Decoder."""
+    from kvtrace._decoder import HFDecoder
+
+    if isinstance(source, torch.nn.Module) and hasattr(source, "cache_spec"):
+        return source, None, ExportMeta(model_name=type(source).__name__)
+    if isinstance(source, torch.nn.Module):
+        model = source.to(dtype)
+        meta = ExportMeta(model_name=type(model).__name__, model_type=model.config.model_type,
+                          eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
+        return HFDecoder(model, max_seq_len=max_seq_len, batch_size=batch_size), model, meta
+    from kvtrace._sources import load_model
+
+    loaded = load_model(source, dtype=dtype)
+    meta = ExportMeta(
+        model_name=loaded.source.name,
+        model_type=loaded.model.config.model_type,
+        source_digest=loaded.source.digest,
+        bos_id=loaded.bos_id,
+        eos_ids=tuple(loaded.eos_ids),
+        chat_template=loaded.chat_template,
+        tokenizer_json=loaded.tokenizer.to_str() if loaded.tokenizer is not None else None,
+    )
+    return HFDecoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size), loaded.model, meta
+
+
+def _eos(config: Any) -> tuple[int, ...]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def export(
+    source: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_seq_len: int = 512,
+    dtype: str | torch.dtype = "float32",
+    batch_size: int = 1,
+    backend: str = "exported",
+) -> Path:
+    """Export a decoder with its KV cache to one artifact file.
+
+    Args:
+        source: a model name (``"smollm2-135m-instruct"``), a local HF model directory, a Llama-family
+            GGUF file, an HF causal LM object, or a Decoder module (with a ``cache_spec``).
+        path: the artifact file to write (written atomically).
+        max_seq_len: cache capacity; prompt + generated tokens must fit.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        batch_size: rows per call (static).
+        backend: ``"exported"`` (portable torch.export programs) or ``"aoti"`` (AOTInductor-compiled).
+    """
+    if backend not in BACKENDS:
+        raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if tdtype not in DTYPES.values():
+        raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if max_seq_len < 1 or batch_size < 1:
+        raise UsageError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+    t0 = time.perf_counter()
+    decoder, model, meta = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size)
+    try:
+        eps = capture_programs(decoder)
+        weights = _weights(eps)
+        files = _program_files(eps, backend, weights)
+    except KvtraceError:
+        raise
+    except Exception as e:
+        raise CaptureError(
+            f"exporting {meta.model_name or type(decoder).__name__} failed ({backend}): {type(e).__name__}: {e}"
+        ) from e
+    unique, aliases = dedupe_weights(weights)
+    vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["decode"])
+    from kvtrace import __version__
+
+    manifest = Manifest(
+        backend=backend,
+        cache_spec=decoder.cache_spec,
+        vocab_size=vocab,
+        programs={p: PROGRAM_SIGNATURES[p] for p in PROGRAMS},
+        model_name=meta.model_name,
+        model_type=meta.model_type,
+        source_digest=meta.source_digest,
+        bos_id=meta.bos_id,
+        eos_ids=meta.eos_ids,
+        chat_template=meta.chat_template,
+        generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
+        weight_aliases=aliases,
+        kvtrace_version=__version__,
+        torch_version=torch.__version__,
+        export_seconds=round(time.perf_counter() - t0, 3),
+    )
+    return write_artifact(path, manifest, unique, files, meta.tokenizer_json)
+
+
+def _vocab(ep: torch.export.ExportedProgram) -> int:
+    out = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0]
+    return int(out.meta["val"].shape[-1])
