@@ -201,5 +201,5 @@ def export(
 
 
 def _vocab(ep: torch.export.ExportedProgram) -> int:
-    out = [n for n in ep.graph.nodes if n.op == "output"][0].args[0][0]
+    out = next(n for n in ep.graph.nodes if n.op == "output").args[0][0]
     return int(out.meta["val"].shape[-1])
