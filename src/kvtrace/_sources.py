@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import math
 import mmap
 import os
 import shutil
@@ -229,16 +230,13 @@ def _check_gguf(path: Path) -> str:
                 data_start = -(-pos // align) * align
                 for name, dims, ggml_type, offset in tensors:
                     block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
-                    n = 1
-                    for d in dims:
-                        n *= d
-                    end = data_start + offset + n // block * block_bytes
+                    end = data_start + offset + math.prod(dims) // block * block_bytes
                     if end > size:
                         raise ValueError(f"tensor {name} ends at byte {end} but the file has {size} bytes")
             except (struct.error, ValueError, UnicodeDecodeError, KeyError, OverflowError) as e:
                 raise SourceError(
                     f"{path} is a corrupt or truncated GGUF file ({type(e).__name__}: {e}); "
-                    f"expected a complete GGUF v2/v3 file of {size} bytes or more. Re-download or re-convert it."
+                    f"expected a complete GGUF v2/v3 file, found {size} bytes that do not parse. Re-download or re-convert it."
                 ) from e
     if arch not in SUPPORTED_GGUF_ARCHS:
         raise UnsupportedError(
@@ -251,7 +249,9 @@ def _check_gguf(path: Path) -> str:
 # ------------------------------------------------------------------------------------------ loading
 
 
-def load_model(source: ModelSource | str | None, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(
+    source: ModelSource | str | os.PathLike | None, *, dtype: torch.dtype = torch.float32
+) -> LoadedModel:
     """Load `source` (resolving it first if needed) offline, in `dtype`, with its fast tokenizer."""
     src = source if isinstance(source, ModelSource) else resolve_source(source)
     t0 = time.perf_counter()

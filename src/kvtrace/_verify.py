@@ -1,0 +1,240 @@
+"""verify: compare candidates against the eager model, step by step, logits AND cache contents.
+
+Every runner speaks one small protocol (``Runner``): reset, prefill, decode, and ``cache()`` —
+the valid part of every layer's K and V as ``[B, H_kv, P, D]``. The harness feeds the reference's
+greedy token to every runner (teacher forcing), so one early error cannot hide later ones, and
+records per step: logits max abs / max rel error, top-1 agreement, and per layer the max abs
+error of K and V. Pass/fail uses the per-dtype tolerances of ``_tolerances``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from kvtrace._tolerances import Tolerance, max_abs_diff, tolerance_for
+
+__all__ = ["EagerRunner", "JitRunner", "Runner", "SessionRunner", "StepRow", "VerifyReport", "verify"]
+
+
+class Runner(Protocol):
+    name: str
+
+    def reset(self) -> None: ...
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor: ...  # [B, T] -> [B, T, V]
+    def decode(self, token: torch.Tensor) -> torch.Tensor: ...  # [B, 1] -> [B, 1, V]
+    def cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]: ...  # per layer ([B,H,P,D], [B,H,P,D])
+
+
+class EagerRunner:
+    """The reference: the HF model called eagerly with a DynamicCache."""
+
+    def __init__(self, model: torch.nn.Module, name: str = "eager", call: Any = None):
+        self.name = name
+        self.model = model
+        self._call = call or model
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache()
+        self._mask: torch.Tensor | None = None
+
+    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+        new = torch.ones_like(tokens)
+        self._mask = new if self._mask is None else torch.cat([self._mask, new], dim=1)
+        with torch.inference_mode():
+            out = self._call(input_ids=tokens, attention_mask=self._mask, past_key_values=self._cache,
+                             use_cache=True, return_dict=True)
+        return out.logits
+
+    prefill = _step
+    decode = _step
+
+    def cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer.keys, layer.values) for layer in self._cache.layers]
+
+
+class JitRunner(EagerRunner):
+    """The same HF-style calls through ``kvtrace.jit``."""
+
+    def __init__(self, model: torch.nn.Module, backend: str = "inductor", name: str | None = None):
+        from kvtrace._jit import jit
+
+        self.jm = jit(model, backend=backend)
+        super().__init__(model, name or ("jit" if backend == "inductor" else f"jit-{backend}"), call=self.jm)
+
+
+class SessionRunner:
+    """An artifact Session; its cache is read from the declared state buffers."""
+
+    def __init__(self, session: Any, name: str):
+        self.name = name
+        self.session = session
+
+    def reset(self) -> None:
+        self.session.reset()
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.session.prefill(tokens)
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        return self.session.decode(token)
+
+    def cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        p = self.session.position
+        st = self.session.state
+        n = len(self.session.spec.layers)
+        return [(st[2 * i][:, :, :p], st[2 * i + 1][:, :, :p]) for i in range(n)]  # [B, H_kv, P, D]
+
+
+@dataclass(frozen=True)
+class StepRow:
+    candidate: str
+    prompt: int
+    step: str  # "prefill" or the decode index "1", "2", ...
+    position: int
+    logits_max_abs: float
+    logits_max_rel: float
+    top1_agree: float  # fraction of rows/positions whose argmax equals the reference's
+    token_agree: bool  # candidate's greedy next token == reference's
+    k_max_abs: tuple[float, ...]  # per layer
+    v_max_abs: tuple[float, ...]
+    cache_len_ok: bool
+    passed: bool
+    failure: str = ""  # what failed first, e.g. "layer 3 K", "logits", "cache length 7 != 8"
+
+    @property
+    def worst_layer(self) -> int:
+        errs = [max(k, v) for k, v in zip(self.k_max_abs, self.v_max_abs, strict=True)]
+        return max(range(len(errs)), key=errs.__getitem__) if errs else -1
+
+
+@dataclass
+class VerifyReport:
+    tolerance: dict[str, str]
+    dtype: str
+    rows: list[StepRow] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    def candidates(self) -> list[str]:
+        return list(dict.fromkeys(r.candidate for r in self.rows))
+
+    def first_failure(self, candidate: str) -> StepRow | None:
+        return next((r for r in self.rows if r.candidate == candidate and not r.passed), None)
+
+    def summary(self) -> list[dict[str, Any]]:
+        out = []
+        for c in self.candidates():
+            rows = [r for r in self.rows if r.candidate == c]
+            worst = max(rows, key=lambda r: r.logits_max_abs)
+            kv = max(rows, key=lambda r: max((*r.k_max_abs, *r.v_max_abs), default=0.0))
+            fail = self.first_failure(c)
+            out.append({
+                "candidate": c,
+                "steps": len(rows),
+                "logits_max_abs": worst.logits_max_abs,
+                "logits_worst_step": f"p{worst.prompt}/{worst.step}",
+                "logits_max_rel": max(r.logits_max_rel for r in rows),
+                "top1_agree": min(r.top1_agree for r in rows),
+                "tokens_agree": sum(r.token_agree for r in rows),
+                "kv_max_abs": max((*kv.k_max_abs, *kv.v_max_abs), default=0.0),
+                "kv_worst": f"p{kv.prompt}/{kv.step} layer {kv.worst_layer}",
+                "passed": fail is None,
+                "first_failure": "" if fail is None else f"prompt {fail.prompt} step {fail.step}: {fail.failure}",
+            })
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps({"passed": self.passed, "dtype": self.dtype, "tolerance": self.tolerance,
+                           "summary": self.summary(), "rows": [asdict(r) for r in self.rows]}, indent=2)
+
+
+def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand: Runner,
+             ref_logits: torch.Tensor, cand_logits: torch.Tensor, tol: Tolerance) -> StepRow:
+    ref_f, cand_f = ref_logits.float(), cand_logits.float()
+    l_abs = max_abs_diff(cand_f, ref_f)
+    ref_max = ref_f.abs().max().item()
+    l_rel = l_abs / max(ref_max, 1e-12)
+    top1 = (cand_f.argmax(-1) == ref_f.argmax(-1)).float().mean().item()
+    tok_ok = bool((cand_f[:, -1].argmax(-1) == ref_f[:, -1].argmax(-1)).all())
+    failure = "" if l_abs <= tol.limit(ref_max) else f"logits max abs {l_abs:.3g} > {tol.limit(ref_max):.3g}"
+    ks, vs = [], []
+    len_ok = True
+    for i, ((rk, rv), (ck, cv)) in enumerate(zip(ref.cache(), cand.cache(), strict=True)):
+        if ck.shape != rk.shape:
+            len_ok = False
+            failure = failure or f"layer {i} cache shape {list(ck.shape)} != eager {list(rk.shape)}"
+            ks.append(float("inf"))
+            vs.append(float("inf"))
+            continue
+        for which, r, c, acc in (("K", rk, ck, ks), ("V", rv, cv, vs)):
+            d = max_abs_diff(c, r)
+            acc.append(d)
+            lim = tol.limit(r.float().abs().max().item() if r.numel() else 0.0)
+            if d > lim and not failure:
+                pos = int((c.float() - r.float()).abs().amax(dim=(0, 1, 3)).argmax())
+                failure = f"layer {i} {which} max abs {d:.3g} > {lim:.3g} (worst at position {pos})"
+    return StepRow(name, prompt, step, position, l_abs, l_rel, top1, tok_ok, tuple(ks), tuple(vs), len_ok,
+                   not failure, failure)
+
+
+def verify(
+    reference: Runner,
+    candidates: Sequence[Runner],
+    prompts: Sequence[Sequence[int] | torch.Tensor],
+    *,
+    steps: int = 8,
+    dtype: torch.dtype = torch.float32,
+) -> VerifyReport:
+    """Run every prompt (reset before each) through reference and candidates; compare every step."""
+    tol = tolerance_for(dtype)
+    report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": str(tol)},
+                          dtype=str(dtype).removeprefix("torch."))
+    with torch.inference_mode():
+        for r in (reference, *candidates):
+            r.reset()
+        for p_idx, prompt in enumerate(prompts):
+            ids = torch.as_tensor(prompt, dtype=torch.int64)
+            ids = ids.reshape(1, -1) if ids.dim() == 1 else ids  # [B, T]
+            if p_idx:
+                for r in (reference, *candidates):
+                    r.reset()
+            ref_logits = reference.prefill(ids)
+            outs = [c.prefill(ids) for c in candidates]
+            pos = ids.shape[1]
+            for c, lg in zip(candidates, outs, strict=True):
+                report.rows.append(_compare(c.name, p_idx, "prefill", pos, reference, c, ref_logits, lg, tol))
+            for s in range(1, steps + 1):
+                tok = ref_logits[:, -1:].argmax(-1)  # [B, 1] the reference's greedy token, fed to all
+                ref_logits = reference.decode(tok)
+                outs = [c.decode(tok) for c in candidates]
+                pos += 1
+                for c, lg in zip(candidates, outs, strict=True):
+                    report.rows.append(_compare(c.name, p_idx, str(s), pos, reference, c, ref_logits, lg, tol))
+    return report
+
+
+def render(report: VerifyReport) -> Any:
+    """A rich renderable: one summary row per candidate, with the tolerance in the title."""
+    from rich.table import Table
+
+    t = Table(title=f"kvtrace verify ({report.dtype}; pass if max|a-b| <= {report.tolerance['rule']})")
+    for col in ("candidate", "steps", "logits max abs", "worst step", "top-1 agree", "greedy tokens",
+                "K/V max abs", "worst K/V", "result"):
+        t.add_column(col)
+    for s in report.summary():
+        t.add_row(
+            s["candidate"], str(s["steps"]), f"{s['logits_max_abs']:.3g}", s["logits_worst_step"],
+            f"{s['top1_agree']:.3f}", f"{s['tokens_agree']}/{s['steps']}", f"{s['kv_max_abs']:.3g}", s["kv_worst"],
+            "[green]PASS[/green]" if s["passed"] else f"[red]FAIL[/red] {s['first_failure']}",
+        )
+    return t
