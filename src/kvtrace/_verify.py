@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -238,3 +239,68 @@ def render(report: VerifyReport) -> Any:
             "[green]PASS[/green]" if s["passed"] else f"[red]FAIL[/red] {s['first_failure']}",
         )
     return t
+
+
+DEFAULT_PROMPTS = ("Who's the founder of Meta?", "Write one sentence about caches.")
+
+
+def _prompts(args: Any) -> list[str]:
+    from kvtrace._errors import UsageError
+
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise UsageError(f"--prompts file {path} does not exist")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise UsageError(f"--prompts file {path} has no non-empty lines")
+        return lines
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UsageError("--prompt is empty")
+        return [args.prompt, DEFAULT_PROMPTS[1]]
+    return list(DEFAULT_PROMPTS)
+
+
+def run_cli_verify(args: Any, step: Any) -> VerifyReport:
+    """What ``kvtrace verify`` runs: eager reference vs the requested candidates on real prompts."""
+    import tempfile
+
+    from kvtrace._artifact import load
+    from kvtrace._errors import UsageError
+    from kvtrace._export import DTYPES, export
+    from kvtrace._sources import apply_chat_template, load_model
+
+    against = [a.strip() for a in args.against.split(",") if a.strip()]
+    unknown = sorted(set(against) - {"jit", "jit-eager", "exported", "aoti"})
+    if unknown:
+        raise UsageError(f"--against takes jit, jit-eager, exported, aoti; got {unknown}")
+    dtype = DTYPES[args.dtype]
+    with step(f"loading {args.source}"):
+        lm = load_model(args.source, dtype=dtype)
+    tok = lm.tokenizer
+    ids = []
+    for text in _prompts(args):
+        if args.chat and lm.chat_template:
+            name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
+            text = apply_chat_template(lm.chat_template, [{"role": "user", "content": text}],
+                                       bos_token=name(lm.bos_id), eos_token=name(lm.eos_ids[0] if lm.eos_ids else None))
+        ids.append(tok.encode(text, add_special_tokens=not args.chat).ids)
+    longest = max(len(i) for i in ids) + args.steps
+    max_seq_len = max(args.max_seq_len, longest)
+    cands: list[Runner] = []
+    tmp = tempfile.TemporaryDirectory(prefix="kvtrace-verify-")
+    for a in against:
+        if a in ("jit", "jit-eager"):
+            cands.append(JitRunner(lm.model, backend="inductor" if a == "jit" else "eager"))
+        else:
+            with step(f"exporting ({a})"):
+                path = export(lm.model, Path(tmp.name) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
+                              backend=a)
+            cands.append(SessionRunner(load(path).session(), a))
+    for f in args.artifact:
+        cands.append(SessionRunner(load(f).session(), Path(f).name))
+    with step(f"verifying {len(cands)} candidate(s) on {len(ids)} prompts x (prefill + {args.steps} steps)"):
+        report = verify(EagerRunner(lm.model), cands, ids, steps=args.steps, dtype=dtype)
+    tmp.cleanup()
+    return report

@@ -1,0 +1,308 @@
+"""The kvtrace command line. The only module that prints or exits.
+
+Exit codes: 0 success; 1 failure (verify found a mismatch, an export failed); 2 bad input.
+Errors are one line on stderr; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvtrace import __version__
+from kvtrace._errors import KvtraceError, UsageError
+
+EXAMPLES = {
+    "generate": 'kvtrace generate "Who\'s the founder of Meta?"\n  echo "Hi" | kvtrace generate - --temperature 0.7 --seed 1',
+    "export": "kvtrace export smollm2-135m-instruct -o smollm2.kvt --max-seq-len 1024 --backend aoti",
+    "run": 'kvtrace run smollm2.kvt --prompt "Who\'s the founder of Meta?" --max-len 128',
+    "verify": 'kvtrace verify smollm2-135m-instruct --against jit,exported --steps 8 --json report.json',
+    "cache": "kvtrace cache list\n  kvtrace cache clear",
+    "bench": "kvtrace bench --backends hf-eager,exported,aoti --new-tokens 128 --json bench.json",
+}
+
+
+class _UI:
+    """stderr status/progress (rich) and stdout results; quiet/json switch them off."""
+
+    def __init__(self, quiet: bool, json_mode: bool):
+        from rich.console import Console
+
+        self.quiet = quiet or json_mode
+        self.json_mode = json_mode
+        self.err = Console(stderr=True)
+        self.out = Console()
+
+    @contextlib.contextmanager
+    def step(self, what: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        if self.quiet:
+            yield
+            return
+        with self.err.status(f"{what}..."):
+            yield
+        self.err.print(f"[dim]{what}: {time.perf_counter() - t0:.1f}s[/dim]")
+
+    def info(self, text: str) -> None:
+        if not self.quiet:
+            self.err.print(text)
+
+
+# --- shared: prompts and generation ------------------------------------------------------------
+def _read_prompt(prompt: str | None) -> str:
+    if prompt == "-":
+        prompt = sys.stdin.read()
+    if prompt is None or not prompt.strip():
+        raise UsageError("the prompt is empty; pass text, or - to read it from stdin")
+    return prompt
+
+
+def _encode(art: Any, text: str, chat: bool) -> list[int]:
+    from kvtrace._sources import apply_chat_template
+
+    tok = art.tokenizer()
+    if tok is None:
+        raise UsageError(f"{art.path} has no tokenizer; export it from a model source that has one")
+    m = art.manifest
+    if chat:
+        name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
+        text = apply_chat_template(m.chat_template, [{"role": "user", "content": text}],
+                                   bos_token=name(m.bos_id), eos_token=name(m.eos_ids[0] if m.eos_ids else None))
+    return tok.encode(text, add_special_tokens=not chat).ids
+
+
+def _generate(ui: _UI, art: Any, prompt: str, args: argparse.Namespace, max_new: int) -> dict[str, Any]:
+    from kvtrace._generate import Sampling, generate
+
+    ids = _encode(art, prompt, args.chat)
+    room = art.cache_spec.max_seq_len - len(ids)
+    if room < 1:
+        raise UsageError(
+            f"the prompt is {len(ids)} tokens; the artifact's max_seq_len is {art.cache_spec.max_seq_len}. "
+            "Shorten the prompt or export with a larger --max-seq-len"
+        )
+    tok = art.tokenizer()
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+
+    def on_text(delta: str) -> None:
+        if not ui.json_mode:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+    res = generate(art.session(), ids, max_new_tokens=min(max_new, room), sampling=sampling,
+                   eos_ids=art.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True),
+                   on_text=on_text)
+    if not ui.json_mode:
+        sys.stdout.write("\n")
+    ui.info(f"[dim]{res.stats.line()}[/dim]")
+    return {"text": res.text, "tokens": res.tokens, **res.stats.to_dict()}
+
+
+# --- commands ---------------------------------------------------------------------------------
+def cmd_generate(args: argparse.Namespace, ui: _UI) -> int:
+    from kvtrace._artifact import load
+    from kvtrace._build import cached_artifact
+
+    prompt = _read_prompt(args.prompt)
+    t0 = time.perf_counter()
+    with ui.step(f"preparing {args.model or 'smollm2-135m-instruct'} ({args.backend}, load + convert + export + compile on first use)"):
+        built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype)
+    with ui.step("loading artifact"):
+        art = load(built.path)
+    load_s = time.perf_counter() - t0
+    ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
+    out = _generate(ui, art, prompt, args, args.max_new_tokens)
+    out.update(load_s=round(load_s, 2), compile_s=round(built.seconds, 2), cache_hit=built.cache_hit)
+    ui.info(f"[dim]load {load_s:.1f}s ({'cache hit' if built.cache_hit else f'compile {built.seconds:.1f}s'})[/dim]")
+    if ui.json_mode:
+        print(json.dumps(out))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace, ui: _UI) -> int:
+    from kvtrace._artifact import load
+
+    prompt = _read_prompt(args.prompt)
+    with ui.step(f"loading {args.file}"):
+        art = load(args.file)
+    n_prompt = len(_encode(art, prompt, args.chat))
+    if args.max_len <= n_prompt:
+        raise UsageError(f"--max-len {args.max_len} leaves no room after the {n_prompt}-token prompt; raise it")
+    out = _generate(ui, art, prompt, args, args.max_len - n_prompt)
+    if ui.json_mode:
+        print(json.dumps(out))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, ui: _UI) -> int:
+    from kvtrace._export import export
+
+    t0 = time.perf_counter()
+    with ui.step(f"exporting {args.source} ({args.backend}, max_seq_len {args.max_seq_len}, {args.dtype})"):
+        path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype,
+                      backend=args.backend)
+    info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
+    if ui.json_mode:
+        print(json.dumps(info))
+    else:
+        ui.out.print(f"wrote {path} ({info['bytes'] / 2**20:.1f} MiB) in {info['seconds']:.1f}s")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace, ui: _UI) -> int:
+    from kvtrace._verify import run_cli_verify
+
+    report = run_cli_verify(args, step=ui.step)
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    if not ui.quiet:
+        from kvtrace._verify import render
+
+        ui.out.print(render(report))
+    ui.out.print("PASS" if report.passed else "FAIL")
+    return 0 if report.passed else 1
+
+
+def cmd_cache(args: argparse.Namespace, ui: _UI) -> int:
+    from kvtrace._build import clear_artifacts, list_artifacts
+    from kvtrace._sources import cache_dir, clear_cache, list_cache
+
+    if args.action == "clear":
+        freed = clear_cache() + clear_artifacts()
+        ui.out.print(f"freed {freed / 2**20:.1f} MiB from {cache_dir()}")
+        return 0
+    entries = [*list_cache(), *list_artifacts()]
+    if ui.json_mode:
+        print(json.dumps([{"path": str(p), "bytes": n} for p, n in entries]))
+        return 0
+    ui.out.print(f"cache: {cache_dir()}")
+    for p, n in entries:
+        ui.out.print(f"  {n / 2**20:9.1f} MiB  {p}")
+    if not entries:
+        ui.out.print("  (empty)")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace, ui: _UI) -> int:
+    from kvtrace._bench import run_cli_bench
+
+    return run_cli_bench(args, ui)
+
+
+# --- parser -----------------------------------------------------------------------------------
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--chat", dest="chat", action="store_true", default=True, help="apply the chat template (default)")
+    g.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as plain text")
+
+
+def _common(p: argparse.ArgumentParser, json_flag: bool) -> None:
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    else:
+        p.add_argument("--json", default=None, metavar="OUT", help="write every step's numbers as JSON to OUT")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvtrace", description="Compile and export LLM decoders together with their KV cache.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n  " + "\n  ".join(EXAMPLES.values()),
+    )
+    parser.add_argument("--version", action="version", version=f"kvtrace {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help_: str, json_flag: bool = True) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help_, description=help_, epilog=f"example:\n  {EXAMPLES[name]}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        _common(p, json_flag)
+        return p
+
+    p = add("generate", "Stream an answer from a model (default: the embedded SmolLM2-135M-Instruct), compiled.")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text, or - for stdin")
+    p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), a HF model dir, or a GGUF file")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--backend", choices=("aoti", "exported"), default="aoti")
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    _sampling_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = add("export", "Export a model with its KV cache to one artifact file.")
+    p.add_argument("source", help="smollm2-135m-instruct, a HF model dir, or a GGUF file")
+    p.add_argument("-o", "--output", required=True, help="artifact file to write, e.g. model.kvt")
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--backend", choices=("exported", "aoti"), default="exported")
+    p.set_defaults(func=cmd_export)
+
+    p = add("run", "Generate from an exported artifact (no transformers needed).")
+    p.add_argument("file", help="artifact written by `kvtrace export`")
+    p.add_argument("--prompt", required=True, help="prompt text, or - for stdin")
+    p.add_argument("--max-len", type=int, default=64, help="prompt + generated tokens (default 64)")
+    _sampling_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = add("verify", "Compare jit/exported/aoti against eager: logits and every cache layer, step by step.",
+            json_flag=False)
+    p.add_argument("source", help="smollm2-135m-instruct, a HF model dir, or a GGUF file")
+    p.add_argument("--artifact", action="append", default=[], help="also verify this artifact (repeatable)")
+    p.add_argument("--against", default="jit,exported", help="comma list of jit, jit-eager, exported, aoti")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--prompt", default=None, help="first prompt (a second, different prompt follows a reset)")
+    g.add_argument("--prompts", default=None, help="file with one prompt per line")
+    p.add_argument("--steps", type=int, default=8, help="greedy decode steps per prompt")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--raw", dest="chat", action="store_false", default=True)
+    p.set_defaults(func=cmd_verify)
+
+    p = add("cache", "List or clear kvtrace's caches (converted weights, compiled artifacts).")
+    p.add_argument("action", choices=("list", "clear"))
+    p.set_defaults(func=cmd_cache)
+
+    p = add("bench", "Prefill ms, decode tokens/s, peak memory and recompiles, per backend, side by side.",
+            json_flag=False)
+    p.add_argument("--model", default=None)
+    p.add_argument("--backends", default="hf-eager,exported,aoti")
+    p.add_argument("--prompt-len", default="37")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    json_mode = args.json is True
+    ui = _UI(args.quiet, json_mode)
+    try:
+        return args.func(args, ui)
+    except KvtraceError as e:
+        if args.debug:
+            raise
+        print(f"kvtrace {args.command}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, UsageError) else 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
