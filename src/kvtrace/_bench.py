@@ -1,0 +1,298 @@
+"""kvtrace bench: side-by-side speed of HF eager, HF + torch.compile, kvtrace jit/exported/aoti.
+
+Everything runs in one process on the same prompt, so ratios are fair. Decode is memory-bound at
+batch 1, so each backend is also put against the machine's own bound: measured read bandwidth
+divided by the bytes a decode step must read (all weights + the live cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtrace._errors import UsageError
+
+__all__ = ["BenchResult", "measure_bandwidth", "run_bench"]
+
+BACKENDS = ("hf-eager", "hf-compile", "jit", "exported", "aoti")
+
+
+@dataclass
+class BenchResult:
+    backend: str
+    dtype: str
+    prompt_len: int
+    new_tokens: int
+    load_s: float = 0.0
+    compile_s: float = 0.0
+    prefill_ms: float = 0.0  # median
+    prefill_ms_range: tuple[float, float] = (0.0, 0.0)
+    decode_tok_s: float = 0.0  # median
+    decode_tok_s_range: tuple[float, float] = (0.0, 0.0)
+    peak_rss_mib: float = 0.0
+    recompiles: int = 0
+    artifact_mib: float | None = None
+    tokens_match_eager: bool | None = None
+    first_mismatch: int | None = None
+    bound_fraction: float | None = None  # decode tok/s x bytes/token / bandwidth
+    vs_hf_eager: float | None = None
+    tokens: list[int] = field(default_factory=list, repr=False)
+    error: str = ""
+
+
+def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Sustained read bandwidth in GB/s: best of ``reps`` full reductions over a ``mib`` MiB tensor."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # fault pages in
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _reset_peak_rss() -> None:
+    with contextlib.suppress(OSError):  # Linux: "5" resets the peak RSS (VmHWM) of this process
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+class _Stepper:
+    """One backend as prefill/decode callables plus its own reset."""
+
+    def __init__(self, prefill: Callable[[torch.Tensor], torch.Tensor],
+                 decode: Callable[[torch.Tensor], torch.Tensor], reset: Callable[[], None],
+                 recompiles: Callable[[], int] = lambda: 0, artifact: Path | None = None):
+        self.prefill, self.decode, self.reset = prefill, decode, reset
+        self.recompiles = recompiles
+        self.artifact = artifact
+
+
+def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: int | None) -> _Stepper:
+    from transformers import DynamicCache, StaticCache
+
+    st: dict[str, Any] = {}
+
+    def reset() -> None:
+        st["cache"] = StaticCache(config=model.config, max_cache_len=static_len) if static_len else DynamicCache()
+        st["pos"] = 0
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        pos = torch.arange(st["pos"], st["pos"] + t).unsqueeze(0)
+        out = call(input_ids=ids, position_ids=pos, past_key_values=st["cache"], use_cache=True, return_dict=True)
+        st["pos"] += t
+        return out.logits
+
+    reset()
+    return _Stepper(step, step, reset)
+
+
+def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str) -> _Stepper:
+    if backend == "hf-eager":
+        return _hf_stepper(model, model, None)
+    if backend == "hf-compile":
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        s = _hf_stepper(model, compiled, max_seq_len)
+        s.recompiles = lambda: max(torch._dynamo.utils.counters["stats"]["unique_graphs"] - 1, 0)
+        return s
+    if backend == "jit":
+        from kvtrace._jit import jit
+
+        jm = jit(model)
+        s = _hf_stepper(model, jm, None)
+        s.recompiles = lambda: max(jm.stats.captures - 2, 0)
+        return s
+    from kvtrace._artifact import load
+    from kvtrace._export import export
+
+    if source is None:
+        import tempfile
+
+        path = Path(tempfile.mkdtemp(prefix="kvtrace-bench-")) / f"{backend}.kvt"
+        export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend)
+    else:
+        from kvtrace._build import cached_artifact
+
+        path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype).path
+    sess = load(path).session()
+    return _Stepper(sess.prefill, sess.decode, sess.reset, artifact=path)
+
+
+def _generate(s: _Stepper, ids: torch.Tensor, n: int) -> tuple[float, float, list[int]]:
+    """Greedy: (prefill seconds, decode tokens/s, new tokens)."""
+    s.reset()
+    t0 = time.perf_counter()
+    logits = s.prefill(ids)
+    t1 = time.perf_counter()
+    tok = logits[:, -1:].argmax(-1)
+    toks = [int(tok)]
+    for _ in range(n - 1):
+        tok = s.decode(tok)[:, -1:].argmax(-1)
+        toks.append(int(tok))
+    t2 = time.perf_counter()
+    return t1 - t0, (n - 1) / max(t2 - t1, 1e-9), toks
+
+
+def _bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
+    from kvtrace._hf_cache import kv_geometry
+
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    n_layers, n_kv, head_dim = kv_geometry(model.config)
+    elt = next(model.parameters()).element_size()
+    return total + 2 * n_layers * n_kv * head_dim * ctx * elt  # weights + live K/V
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
+              backends: tuple[str, ...] = ("hf-eager", "exported", "aoti"), prompt_lens: tuple[int, ...] = (37,),
+              new_tokens: int = 128, dtypes: tuple[str, ...] = ("float32",), runs: int = 3,
+              max_seq_len: int = 1024, threads: int | None = None,
+              progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
+    """Run every (dtype, prompt length, backend) and return a JSON-able dict with a ``results`` list."""
+    from kvtrace._export import DTYPES
+
+    bad = sorted(set(backends) - set(BACKENDS))
+    if bad:
+        raise UsageError(f"unknown backends {bad}; choose from {list(BACKENDS)}")
+    if "hf-eager" not in backends:
+        backends = ("hf-eager", *backends)  # the yardstick for ratios and token identity
+    results: list[BenchResult] = []
+    with _threads(threads), torch.inference_mode():
+        bw = measure_bandwidth()
+        for dtype in dtypes:
+            if dtype not in DTYPES:
+                raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+            t0 = time.perf_counter()
+            if model is None:
+                from kvtrace._sources import load_model
+
+                m = load_model(model_source, dtype=DTYPES[dtype]).model
+            else:
+                m = model.to(DTYPES[dtype])
+            load_s = time.perf_counter() - t0
+            for plen in prompt_lens:
+                if plen + new_tokens > max_seq_len:
+                    raise UsageError(f"prompt {plen} + new tokens {new_tokens} exceed --max-seq-len {max_seq_len}")
+                ids = torch.randint(10, m.config.vocab_size - 10, (1, plen), generator=torch.Generator().manual_seed(0))
+                ref_tokens: list[int] | None = None
+                for b in backends:
+                    r = BenchResult(b, dtype, plen, new_tokens, load_s=round(load_s, 2))
+                    gc.collect()
+                    _reset_peak_rss()
+                    try:
+                        with progress(f"{b} {dtype} prompt {plen}: build"):
+                            t0 = time.perf_counter()
+                            s = _make(b, m, model_source if model is None else None, max_seq_len, dtype)
+                            _generate(s, ids, 2)  # warm-up: first call captures/compiles
+                            r.compile_s = round(time.perf_counter() - t0, 2)
+                        with progress(f"{b} {dtype} prompt {plen}: {runs} runs x {new_tokens} tokens"):
+                            runs_out = [_generate(s, ids, new_tokens) for _ in range(runs)]
+                    except Exception as e:  # one backend failing must not hide the others' numbers
+                        r.error = f"{type(e).__name__}: {e}"[:300]
+                        results.append(r)
+                        continue
+                    pre = [x[0] * 1e3 for x in runs_out]
+                    dec = [x[1] for x in runs_out]
+                    r.prefill_ms, r.prefill_ms_range = statistics.median(pre), (min(pre), max(pre))
+                    r.decode_tok_s, r.decode_tok_s_range = statistics.median(dec), (min(dec), max(dec))
+                    r.tokens = runs_out[-1][2]
+                    r.peak_rss_mib = round(_rss_mib(), 1)
+                    r.recompiles = s.recompiles()
+                    if s.artifact is not None:
+                        r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
+                    if b == "hf-eager":
+                        ref_tokens = r.tokens
+                    if ref_tokens is not None:
+                        mism = [i for i, (a, c) in enumerate(zip(r.tokens, ref_tokens, strict=False)) if a != c]
+                        r.tokens_match_eager = not mism
+                        r.first_mismatch = mism[0] if mism else None
+                    per_tok = _bytes_per_token(m, plen + new_tokens // 2)
+                    r.bound_fraction = round(r.decode_tok_s * per_tok / (bw * 1e9), 3)
+                    results.append(r)
+                eager = next((x for x in results if x.backend == "hf-eager" and x.dtype == dtype
+                              and x.prompt_len == plen and not x.error), None)
+                for x in results:
+                    if eager and x.dtype == dtype and x.prompt_len == plen and not x.error:
+                        x.vs_hf_eager = round(x.decode_tok_s / eager.decode_tok_s, 2)
+    return {
+        "bandwidth_gb_s": round(bw, 2),
+        "threads": threads or torch.get_num_threads(),
+        "torch": torch.__version__,
+        "results": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in results],
+    }
+
+
+def render(data: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"kvtrace bench (read bandwidth {data['bandwidth_gb_s']} GB/s, {data['threads']} threads)")
+    for col in ("backend", "dtype", "prompt", "compile s", "prefill ms", "decode tok/s", "x hf-eager",
+                "of bound", "peak RSS MiB", "recompiles", "tokens = eager"):
+        t.add_column(col)
+    for r in data["results"]:
+        if r["error"]:
+            t.add_row(r["backend"], r["dtype"], str(r["prompt_len"]), "", "", f"[red]{r['error'][:60]}[/red]",
+                      "", "", "", "", "")
+            continue
+        lo, hi = r["decode_tok_s_range"]
+        t.add_row(
+            r["backend"], r["dtype"], str(r["prompt_len"]), f"{r['compile_s']:.1f}", f"{r['prefill_ms']:.1f}",
+            f"{r['decode_tok_s']:.1f} ({lo:.1f}-{hi:.1f})", f"{r['vs_hf_eager']:.2f}" if r["vs_hf_eager"] else "",
+            f"{r['bound_fraction']:.2f}" if r["bound_fraction"] is not None else "", f"{r['peak_rss_mib']:.0f}",
+            str(r["recompiles"]),
+            "yes" if r["tokens_match_eager"] else f"no (at {r['first_mismatch']})",
+        )
+    return t
+
+
+def run_cli_bench(args: Any, ui: Any) -> int:
+    data = run_bench(
+        model_source=args.model,
+        backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
+        prompt_lens=tuple(int(x) for x in str(args.prompt_len).split(",")),
+        new_tokens=args.new_tokens,
+        dtypes=tuple(d.strip() for d in args.dtype.split(",")),
+        runs=args.runs,
+        max_seq_len=args.max_seq_len,
+        threads=args.threads,
+        progress=ui.step,
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=2))
+    ui.out.print(render(data))
+    return 0 if all(not r["error"] for r in data["results"]) else 1
