@@ -1,0 +1,167 @@
+"""LlamaDecoder: a small, direct Llama-family decoder over a declared static cache (gpt-fast style).
+
+Built from an HF model's weights and config (Llama, SmolLM2, Qwen2, Mistral without sliding window);
+verified against the HF model by ``kvtrace verify``. It exists because a lean graph compiles to a
+lean program: q/k/v and gate/up projections are fused into one matmul each, RoPE is a table lookup
+by ``input_pos``, and the cache is written with one ``index_copy_`` per tensor.
+
+Decoder contract (see _decoder.py)::
+
+    forward(tokens [B, T], input_pos [T], k0, v0, k1, v1, ...) -> logits [B, T, V]
+    k_i, v_i: [B, H_kv, S, D], written in place at input_pos
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtrace._cache_spec import CacheSpec
+from kvtrace._errors import UnsupportedError
+
+__all__ = ["LlamaArgs", "LlamaDecoder", "supports"]
+
+FAMILY = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    hidden_dim: int  # MLP width
+    vocab_size: int
+    norm_eps: float
+    qkv_bias: bool
+    tie_embeddings: bool
+
+
+def supports(config: Any) -> bool:
+    """True when the HF config is a plain Llama-family decoder this module reproduces exactly."""
+    cfg = config.get_text_config(decoder=True)
+    if cfg.model_type not in FAMILY or getattr(cfg, "hidden_act", "silu") != "silu":
+        return False
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False
+    if getattr(cfg, "mlp_bias", False) or (cfg.model_type == "llama" and getattr(cfg, "attention_bias", False)):
+        return False
+    return True
+
+
+class _Layer(nn.Module):
+    def __init__(self, a: LlamaArgs, dtype: torch.dtype):
+        super().__init__()
+        q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        self.attn_norm = nn.Parameter(torch.empty(a.dim, dtype=dtype))
+        self.wqkv = nn.Linear(a.dim, q + 2 * kv, bias=a.qkv_bias, dtype=dtype)
+        self.wo = nn.Linear(q, a.dim, bias=False, dtype=dtype)
+        self.ffn_norm = nn.Parameter(torch.empty(a.dim, dtype=dtype))
+        self.w13 = nn.Linear(a.dim, 2 * a.hidden_dim, bias=False, dtype=dtype)  # gate and up, fused
+        self.w2 = nn.Linear(a.hidden_dim, a.dim, bias=False, dtype=dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # As HF: normalise in fp32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, T, D]; cos/sin [T, D] (HF's rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaDecoder(nn.Module):
+    """A Llama-family Decoder whose weights come from an HF model (fused, stored once)."""
+
+    def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        super().__init__()
+        dtype = spec.torch_dtype
+        self.args = a
+        self.cache_spec = spec
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim, dtype=dtype)
+        self.layers = nn.ModuleList(_Layer(a, dtype) for _ in range(a.n_layers))
+        self.norm = nn.Parameter(torch.empty(a.dim, dtype=dtype))
+        self.output = nn.Linear(a.dim, a.vocab_size, bias=False, dtype=dtype)
+        if a.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope_cos", rope_cos, persistent=True)  # [S_max, D]
+        self.register_buffer("rope_sin", rope_sin, persistent=True)
+
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
+        a = self.args
+        b, t = tokens.shape
+        s = self.cache_spec.max_seq_len
+        x = self.tok_embeddings(tokens)  # [B, T, dim]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D]
+        # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
+        mask = torch.arange(s, device=tokens.device)[None, :] <= input_pos[:, None]  # [T, S]
+        q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = state[2 * i], state[2 * i + 1]  # [B, H_kv, S, D]
+            h = _rms_norm(x, layer.attn_norm, a.norm_eps)
+            q, k, v = layer.wqkv(h).split([q_size, kv_size, kv_size], dim=-1)
+            q = _rope(q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H, T, D]
+            k = _rope(k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
+            v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+            k_cache.index_copy_(2, input_pos, k)
+            v_cache.index_copy_(2, input_pos, v)
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+            x = x + layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
+            h = _rms_norm(x, layer.ffn_norm, a.norm_eps)
+            gate, up = layer.w13(h).chunk(2, dim=-1)
+            x = x + layer.w2(F.silu(gate) * up)
+        return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T, V]
+
+    @classmethod
+    def from_hf(cls, model: nn.Module, spec: CacheSpec) -> LlamaDecoder:
+        """Copy (and fuse) the weights of an HF Llama-family causal LM."""
+        cfg = model.config.get_text_config(decoder=True)
+        if not supports(cfg):
+            raise UnsupportedError(f"LlamaDecoder does not reproduce {cfg.model_type!r} configs like this one")
+        n_heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+        hf = model.model
+        a = LlamaArgs(
+            dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=n_heads,
+            n_kv_heads=cfg.num_key_value_heads or n_heads, head_dim=head_dim, hidden_dim=cfg.intermediate_size,
+            vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps,
+            qkv_bias=hf.layers[0].self_attn.q_proj.bias is not None,
+            tie_embeddings=model.lm_head.weight.data_ptr() == hf.embed_tokens.weight.data_ptr(),
+        )
+        cos, sin = _rope_table(hf.rotary_emb, spec.max_seq_len, spec.torch_dtype)
+        dec = cls(a, spec, cos, sin)
+        dt = spec.torch_dtype
+        with torch.no_grad():
+            dec.tok_embeddings.weight.copy_(hf.embed_tokens.weight.to(dt))
+            if not a.tie_embeddings:
+                dec.output.weight.copy_(model.lm_head.weight.to(dt))
+            dec.norm.copy_(hf.norm.weight.to(dt))
+            for mine, theirs in zip(dec.layers, hf.layers, strict=True):
+                att, mlp = theirs.self_attn, theirs.mlp
+                mine.attn_norm.copy_(theirs.input_layernorm.weight.to(dt))
+                mine.ffn_norm.copy_(theirs.post_attention_layernorm.weight.to(dt))
+                mine.wqkv.weight.copy_(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).to(dt))
+                if a.qkv_bias:
+                    mine.wqkv.bias.copy_(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).to(dt))
+                mine.wo.weight.copy_(att.o_proj.weight.to(dt))
+                mine.w13.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dt))
+                mine.w2.weight.copy_(mlp.down_proj.weight.to(dt))
+        return dec.eval().requires_grad_(False)
+
+
+def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, D] exactly as HF's rotary embedding computes them for positions 0..n-1."""
+    pos = torch.arange(n, dtype=torch.float32)
+    freqs = pos[:, None] * rotary.inv_freq.float()[None, :]  # [n, D/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
+    scale = getattr(rotary, "attention_scaling", 1.0)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)

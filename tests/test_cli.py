@@ -1,0 +1,204 @@
+"""The CLI as a user runs it: commands, --json, --help examples, one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import make_tiny_hf_dir
+from kvtrace._cli import EXAMPLES, main
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_hf")
+    make_tiny_hf_dir(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def artifact(hf_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("art") / "tiny.kvt"
+    assert main(["export", str(hf_dir), "-o", str(out), "--max-seq-len", "32", "--quiet"]) == 0
+    return out
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    errors = [ln for ln in err.splitlines() if ": error: " in ln]
+    assert len(errors) == 1, err  # one clear line
+    return errors[0]
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith("kvtrace 0.")
+
+
+@pytest.mark.parametrize("command", sorted(EXAMPLES))
+def test_help_has_an_example(command, capsys):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "example:" in out and f"kvtrace {command}" in out
+
+
+def test_export_writes_one_file(artifact):
+    assert artifact.is_file() and artifact.stat().st_size > 0
+    assert [p.name for p in artifact.parent.iterdir()] == ["tiny.kvt"]  # no temp files left behind
+
+
+def test_run_streams_and_reports_stats(artifact, capsys):
+    # sampled (seeded) so the random tiny model does not stop at EOS right away
+    argv = ["run", str(artifact), "--prompt", "hello world", "--max-len", "10", "--raw", "--temperature", "2", "--seed", "1"]
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip()  # streamed text
+    assert "prompt tokens" in cap.err and "tokens/s" in cap.err
+
+
+def test_run_json_and_chat_template(artifact, capsys):
+    assert main(["run", str(artifact), "--prompt", "the cat", "--max-len", "24", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    # ChatML template around "the cat": <|im_start|> etc. are unknown words -> more than 2 tokens
+    assert out["prompt_tokens"] > 2
+    assert out["stop_reason"] in ("eos", "max_new_tokens", "max_seq_len")
+    assert out["new_tokens"] == len(out["tokens"])
+
+
+def test_run_is_deterministic_with_seed(artifact, capsys):
+    args = ["run", str(artifact), "--prompt", "hello", "--max-len", "16", "--raw", "--json",
+            "--temperature", "1.0", "--top-k", "5", "--seed", "3"]
+    main(args)
+    a = json.loads(capsys.readouterr().out)["tokens"]
+    main(args)
+    b = json.loads(capsys.readouterr().out)["tokens"]
+    assert a == b
+
+
+def test_generate_caches_the_compiled_artifact(hf_dir, capsys):
+    args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+            "--max-new-tokens", "4", "--raw", "--json", "--temperature", "2", "--seed", "1"]
+    assert main(args) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert first["cache_hit"] is False and second["cache_hit"] is True
+    assert first["tokens"] and first["tokens"] == second["tokens"]  # same seed, same artifact
+    assert main(["cache", "list", "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)
+    assert any(e["path"].endswith(".kvt") for e in entries)
+    assert main(["cache", "clear"]) == 0
+    capsys.readouterr()
+    assert main(["cache", "list", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+
+def test_generate_reads_prompt_from_stdin(hf_dir, tmp_path):
+    cmd = [sys.executable, "-m", "kvtrace._cli", "generate", "-", "--model", str(hf_dir), "--backend",
+           "exported", "--max-seq-len", "32", "--max-new-tokens", "3", "--raw", "--json"]
+    env = {"KVTRACE_CACHE": str(tmp_path / "c"), "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(cmd, input="hello world", capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["prompt_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["generate", "hi", "--model", "/nonexistent/model"], "does not exist"),
+        (["generate", "   ", "--model", "smollm2-135m-instruct"], "prompt is empty"),
+        (["run", "/nonexistent.kvt", "--prompt", "hi"], "does not exist"),
+        (["export", "/nonexistent", "-o", "x.kvt"], "does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(argv, expected, capsys):
+    assert main(argv) == 2
+    assert expected in _error_line(capsys)
+
+
+def test_directory_that_is_not_a_model(tmp_path, capsys):
+    assert main(["generate", "hi", "--model", str(tmp_path)]) == 2
+    assert "config.json" in _error_line(capsys)
+
+
+def test_corrupt_gguf(tmp_path, capsys):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf at all" * 10)
+    assert main(["export", str(bad), "-o", str(tmp_path / "x.kvt")]) == 2
+    assert "gguf" in _error_line(capsys).lower()
+    assert not (tmp_path / "x.kvt").exists()
+
+
+def test_gguf_of_another_architecture(tmp_path, capsys):
+    import gguf
+
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["export", str(path), "-o", str(tmp_path / "x.kvt")]) == 2
+    line = _error_line(capsys)
+    assert "gpt2" in line and "llama" in line
+
+
+def test_prompt_longer_than_context(artifact, capsys):
+    long = " ".join(["hello"] * 40)  # 40 tokens > max_seq_len 32
+    assert main(["run", str(artifact), "--prompt", long, "--max-len", "64", "--raw"]) == 2
+    line = _error_line(capsys)
+    assert "40" in line and "32" in line
+
+
+def test_corrupt_artifact(tmp_path, artifact, capsys):
+    bad = tmp_path / "bad.kvt"
+    bad.write_bytes(artifact.read_bytes()[: artifact.stat().st_size // 2])
+    assert main(["run", str(bad), "--prompt", "hello"]) == 2
+    assert "corrupt" in _error_line(capsys)
+
+
+def test_debug_shows_traceback(capsys):
+    from kvtrace import SourceError
+
+    with pytest.raises(SourceError):
+        main(["generate", "hi", "--model", "/nonexistent/model", "--debug"])
+
+
+def test_verify_command_passes_and_writes_json(hf_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    code = main(["verify", str(hf_dir), "--against", "jit-eager,exported", "--steps", "2", "--raw",
+                 "--prompt", "hello world", "--max-seq-len", "32", "--json", str(out)])
+    assert code == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["passed"] is True
+    assert {s["candidate"] for s in report["summary"]} == {"jit-eager", "exported"}
+    assert len(report["rows"]) == 2 * 2 * (1 + 2)  # candidates x prompts x (prefill + steps)
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_bench_quick_mode(hf_dir, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(hf_dir), "--backends", "hf-eager,jit,exported", "--prompt-len", "4",
+                 "--new-tokens", "4", "--runs", "1", "--max-seq-len", "32", "--json", str(out)])
+    assert code == 0, capsys.readouterr()
+    data = json.loads(out.read_text())
+    assert data["bandwidth_gb_s"] > 0
+    rows = {r["backend"]: r for r in data["results"]}
+    assert set(rows) == {"hf-eager", "jit", "exported"}
+    for r in rows.values():
+        assert r["decode_tok_s"] > 0 and r["prefill_ms"] > 0 and not r["error"]
+        assert r["tokens_match_eager"] is True
+    assert rows["jit"]["recompiles"] == 0
