@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -51,3 +54,46 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
 @pytest.fixture
 def llama():
     return tiny_model("llama")
+
+
+CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "the", "cat", "sat"]
+
+
+def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64):
+    """Save a tiny random Llama + WordLevel tokenizer.json + ChatML template in ``d``; return the model."""
+    import tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(d / "tokenizer.json"))
+    tok_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "unk_token": "<unk>",
+        "chat_template": CHATML,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(tok_config))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        vocab_size=len(WORDS),
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(d)
+    return model

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 import tokenizers
 import torch
 
+from conftest import CHATML, make_tiny_hf_dir
 from kvtrace import _sources
 from kvtrace._errors import SourceError, UnsupportedError, UsageError
 from kvtrace._sources import (
@@ -26,14 +26,6 @@ from kvtrace._sources import (
     load_model,
     resolve_source,
 )
-
-CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "the", "cat", "sat"]
 
 
 @pytest.fixture(autouse=True)
@@ -98,39 +90,8 @@ def _write_gguf(
 
 @pytest.fixture(scope="module")
 def tiny_hf_dir(tmp_path_factory):
-    """A tiny random Llama saved with save_pretrained + a WordLevel tokenizer.json + a chat template."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     d = tmp_path_factory.mktemp("tiny_hf")
-    tok = tokenizers.Tokenizer(
-        tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>")
-    )
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.save(str(d / "tokenizer.json"))
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "unk_token": "<unk>",
-        "chat_template": CHATML,
-    }
-    (d / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=len(WORDS),
-        max_position_embeddings=64,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.save_pretrained(d)
-    return d, model
+    return d, make_tiny_hf_dir(d)
 
 
 # ------------------------------------------------------------------------------------------ resolving

@@ -1,6 +1,7 @@
 """The kvtrace command line. The only module that prints or exits.
 
-Exit codes: 0 success; 1 failure (verify found a mismatch, an export failed); 2 bad input.
+Exit codes: 0 success; 1 failure (verify found a mismatch, a capture/compile failed); 2 bad input
+(a missing or malformed model, artifact or prompt; an unsupported model or cache).
 Errors are one line on stderr; ``--debug`` shows the traceback.
 """
 
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace import __version__
-from kvtrace._errors import KvtraceError, UsageError
+from kvtrace._errors import CaptureError, KvtraceError, UsageError
 
 EXAMPLES = {
     "generate": 'kvtrace generate "Who\'s the founder of Meta?"\n  echo "Hi" | kvtrace generate - --temperature 0.7 --seed 1',
@@ -298,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         print(f"kvtrace {args.command}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, UsageError) else 1
+        return 1 if isinstance(e, CaptureError) else 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
