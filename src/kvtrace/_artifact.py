@@ -1,6 +1,7 @@
 """The artifact: one file holding programs, weights (once), cache spec, manifest and tokenizer.
 
-Layout (a zip archive, entries stored uncompressed)::
+Layout (a zip archive; weights stored uncompressed, programs deflated: a serialized program is mostly
+repetitive graph metadata and would otherwise outweigh a small model's weights)::
 
     manifest.json            versioned Manifest (below), plain JSON
     weights.safetensors      every weight once, shared by all programs
@@ -19,6 +20,7 @@ import json
 import os
 import tempfile
 import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -73,6 +75,8 @@ class Manifest:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise ArtifactError(f"manifest.json is not valid JSON ({e}); the file is corrupt") from e
+        if not isinstance(d, dict):
+            raise ArtifactError(f"manifest.json holds a JSON {type(d).__name__}, expected an object; the file is corrupt")
         if d.get("format") != FORMAT:
             raise ArtifactError(f"not a kvtrace artifact: manifest format is {d.get('format')!r}, expected {FORMAT!r}")
         if d.get("version") != VERSION:
@@ -82,11 +86,13 @@ class Manifest:
             )
         d.pop("format")
         d.pop("version")
+        if not isinstance(d.get("cache_spec"), dict):
+            raise ArtifactError(f"manifest has no cache_spec object (found {d.get('cache_spec')!r}); re-export it")
         d["cache_spec"] = CacheSpec.from_dict(d["cache_spec"])
-        d["eos_ids"] = tuple(d.get("eos_ids", ()))
         try:
+            d["eos_ids"] = tuple(int(i) for i in d.get("eos_ids", ()))
             m = cls(**d)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:
             raise ArtifactError(f"manifest fields do not match version {VERSION}: {e}") from e
         if m.backend not in BACKENDS:
             raise ArtifactError(f"unknown backend {m.backend!r} in manifest; expected one of {BACKENDS}")
@@ -131,7 +137,7 @@ def write_artifact(
             if tokenizer_json is not None:
                 zf.writestr("tokenizer.json", tokenizer_json)
             for name, blob in files.items():
-                zf.writestr(name, blob)
+                zf.writestr(name, blob, compress_type=zipfile.ZIP_DEFLATED)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -156,7 +162,8 @@ class Artifact:
 
     def session(self) -> Session:
         """A new Session with its own cache, holding the declared initial values."""
-        return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"])
+        return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
+                       vocab_size=self.manifest.vocab_size)
 
     def tokenizer(self) -> Any:
         """The `tokenizers.Tokenizer` stored in the artifact (None if it has none)."""
@@ -179,7 +186,11 @@ def _read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
             names = set(zf.namelist())
             if "manifest.json" not in names:
                 raise ArtifactError(f"{path} has no manifest.json; it is not a kvtrace artifact")
-            manifest = Manifest.from_json(zf.read("manifest.json").decode())
+            try:
+                text = zf.read("manifest.json").decode()
+            except UnicodeDecodeError as e:
+                raise ArtifactError(f"{path}: manifest.json is not UTF-8 text ({e}); the file is corrupt") from e
+            manifest = Manifest.from_json(text)
             needed = ["weights.safetensors", *(
                 ["programs/aoti.pt2"] if manifest.backend == "aoti" else [f"programs/{p}.json" for p in PROGRAMS]
             )]
@@ -187,7 +198,7 @@ def _read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
             if missing:
                 raise ArtifactError(f"{path} lacks {missing}; the file is truncated or corrupt, re-export it")
             blobs = {n: zf.read(n) for n in names if n != "manifest.json"}  # CRC-checked by zipfile
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, zlib.error) as e:
         raise ArtifactError(f"{path} is not a readable kvtrace artifact ({e}); it is corrupt or truncated") from e
     return manifest, blobs
 
@@ -261,8 +272,12 @@ def load(path: str | os.PathLike[str]) -> Artifact:
     except ArtifactError:
         raise
     except Exception as e:
+        if manifest.torch_version != torch.__version__:
+            hint = (f"The artifact was written by torch {manifest.torch_version}, this is torch {torch.__version__}; "
+                    "re-export it with this torch")
+        else:
+            hint = f"It was written by this torch ({torch.__version__}), so the file is corrupt; re-export it"
         raise ArtifactError(
-            f"{path}: could not load the {manifest.backend} programs ({type(e).__name__}: {e}). The artifact was "
-            f"written by torch {manifest.torch_version}, this is torch {torch.__version__}; re-export if they differ"
+            f"{path}: could not load the {manifest.backend} programs ({type(e).__name__}: {e}). {hint}"
         ) from e
     return Artifact(path, manifest, programs, tokenizer_json, keepalive)

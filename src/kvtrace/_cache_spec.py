@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,6 +42,15 @@ class BufferSpec:
     dtype: str  # torch dtype name without "torch.", e.g. "float32"
     init: float = 0.0  # the declared initial value; reset() refills with it
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise UsageError(f"a state buffer needs a non-empty name, got {self.name!r}")
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if not all(_is_int(n) and n >= 0 for n in self.shape):
+            raise UsageError(f"buffer {self.name}: shape must hold non-negative ints, got {self.shape}")
+        _check_dtype(self.dtype, f"buffer {self.name}")
+        _check_init(self.init, f"buffer {self.name}")
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
@@ -56,6 +66,32 @@ class LayerSpec:
     head_dim: int
     max_len: int  # S in [B, H_kv, S, D]
     window: int | None = None  # only for SLIDING
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "kind", LayerKind(self.kind))  # "full" -> LayerKind.FULL
+        except ValueError as e:
+            raise UsageError(f"unknown layer kind {self.kind!r}; expected one of {[k.value for k in LayerKind]}") from e
+        for name in ("n_kv_heads", "head_dim", "max_len"):
+            v = getattr(self, name)
+            if not (_is_int(v) and v >= 1):
+                raise UsageError(f"LayerSpec.{name} must be an int >= 1, got {v!r}")
+        if self.window is not None and not (_is_int(self.window) and self.window >= 1):
+            raise UsageError(f"LayerSpec.window must be None or an int >= 1, got {self.window!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_dtype(name: Any, what: str) -> None:
+    if not isinstance(name, str) or not isinstance(getattr(torch, name, None), torch.dtype):
+        raise UsageError(f"{what}: dtype must name a torch dtype without 'torch.' (e.g. 'float32'), got {name!r}")
+
+
+def _check_init(v: Any, what: str) -> None:
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)):
+        raise UsageError(f"{what}: the initial value must be a finite plain number, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -76,10 +112,20 @@ class CacheSpec:
     extra: tuple[BufferSpec, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.batch_size < 1 or self.max_seq_len < 1:
+        if not (_is_int(self.batch_size) and _is_int(self.max_seq_len)) or self.batch_size < 1 or self.max_seq_len < 1:
             raise UsageError(
                 f"CacheSpec needs batch_size >= 1 and max_seq_len >= 1, got {self.batch_size} and {self.max_seq_len}"
             )
+        object.__setattr__(self, "layers", tuple(self.layers))
+        object.__setattr__(self, "extra", tuple(self.extra))
+        if not all(isinstance(x, LayerSpec) for x in self.layers):
+            raise UsageError(f"CacheSpec.layers must hold LayerSpecs, got {[type(x).__name__ for x in self.layers]}")
+        if not all(isinstance(x, BufferSpec) for x in self.extra):
+            raise UsageError(f"CacheSpec.extra must hold BufferSpecs, got {[type(x).__name__ for x in self.extra]}")
+        _check_dtype(self.dtype, "CacheSpec")
+        _check_init(self.kv_init, "CacheSpec.kv_init")
+        if self.layout != LAYOUT:
+            raise UsageError(f"CacheSpec layout must be {LAYOUT!r}, got {self.layout!r}")
         for i, layer in enumerate(self.layers):
             if layer.kind is LayerKind.FULL and layer.max_len != self.max_seq_len:
                 raise UsageError(

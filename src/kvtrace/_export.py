@@ -9,6 +9,8 @@ from the CacheSpec with their declared initial values.
 
 from __future__ import annotations
 
+import copy
+import inspect
 import os
 import tempfile
 import time
@@ -49,17 +51,42 @@ def capture_programs(decoder: torch.nn.Module) -> dict[str, torch.export.Exporte
 
     spec = decoder.cache_spec
     b = spec.batch_size
-    n_state = len(spec.buffers())
-    t = Dim("T", min=1, max=spec.max_seq_len)
     ex_t = min(3, spec.max_seq_len)  # example length >= 2 keeps T symbolic
     prefill_args = (torch.zeros(b, ex_t, dtype=torch.int64), torch.arange(ex_t), *spec.allocate())
     decode_args = (torch.zeros(b, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), *spec.allocate())
+    # A one-slot cache has nothing to be symbolic about (and Dim refuses min == max): prefill is T = 1.
+    shapes = _dynamic_shapes(decoder, prefill_args, Dim("T", min=1, max=spec.max_seq_len)) if ex_t > 1 else None
     with torch.no_grad():
-        prefill = torch.export.export(
-            decoder, prefill_args, dynamic_shapes=({1: t}, {0: t}, tuple([None] * n_state)), strict=False
-        )
+        prefill = torch.export.export(decoder, prefill_args, dynamic_shapes=shapes, strict=False)
         decode = torch.export.export(decoder, decode_args, strict=False)
     return {"prefill": prefill, "decode": decode}
+
+
+def _dynamic_shapes(decoder: torch.nn.Module, args: tuple[Any, ...], t: Any) -> tuple[Any, ...]:
+    """``dynamic_shapes`` shaped like ``decoder.forward``'s parameters: T symbolic in tokens and input_pos.
+
+    torch.export matches ``dynamic_shapes`` to the signature, so ``forward(tokens, input_pos, *state)``
+    needs ``(tok, pos, (None, ...))`` while ``forward(tokens, input_pos, k0, v0, bias)`` needs a flat tuple.
+    """
+    flat = [{1: t}, {0: t}, *[None] * (len(args) - 2)]  # tokens [B, T], input_pos [T], state: static
+    sig = inspect.signature(decoder.forward)
+    try:
+        bound = sig.bind(*args).arguments
+    except TypeError as e:
+        raise CaptureError(
+            f"{type(decoder).__name__}.forward{sig} cannot take (tokens, input_pos, *state) with "
+            f"{len(args) - 2} state tensors (its cache_spec's buffers): {e}"
+        ) from e
+    out: list[Any] = []
+    i = 0
+    for name, val in bound.items():
+        if sig.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            out.append(tuple(flat[i : i + len(val)]))
+            i += len(val)
+        else:
+            out.append(flat[i])
+            i += 1
+    return tuple(out)
 
 
 def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
@@ -68,6 +95,9 @@ def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Te
         for name, t in [*ep.state_dict.items(), *ep.constants.items()]:
             if isinstance(t, torch.Tensor):
                 if name in out and out[name].data_ptr() != t.data_ptr():
+                    prev = out[name]
+                    if prev.shape == t.shape and prev.dtype == t.dtype and torch.equal(prev, t):
+                        continue  # e.g. a constant lifted by each capture: same value, store it once
                     raise CaptureError(f"programs disagree about weight {name}; they must share one weight set")
                 out[name] = t
     return out
@@ -111,7 +141,10 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
     if isinstance(source, torch.nn.Module) and hasattr(source, "cache_spec"):
         return source, None, ExportMeta(model_name=type(source).__name__)
     if isinstance(source, torch.nn.Module):
-        model = source.to(dtype)
+        model = source
+        if any(t.dtype != dtype for t in model.parameters() if t.is_floating_point()):
+            # nn.Module.to() converts in place; convert a copy so the caller's model is left untouched.
+            model = copy.deepcopy(source).to(dtype)
         meta = ExportMeta(model_name=type(model).__name__, model_type=model.config.model_type,
                           eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
         return HFDecoder(model, max_seq_len=max_seq_len, batch_size=batch_size), model, meta
@@ -150,8 +183,10 @@ def export(
 
     Args:
         source: a model name (``"smollm2-135m-instruct"``), a local HF model directory, a Llama-family
-            GGUF file, an HF causal LM object, or a Decoder module (with a ``cache_spec``).
-        path: the artifact file to write (written atomically).
+            GGUF file, an HF causal LM object (left untouched; converted on a copy if its dtype differs), or a
+            Decoder module (with a ``cache_spec``, which then decides max_seq_len, batch and dtype).
+        path: the artifact file to write (written atomically: on any error nothing is left behind and an
+            existing file at ``path`` is kept).
         max_seq_len: cache capacity; prompt + generated tokens must fit.
         dtype: ``"float32"`` or ``"bfloat16"``.
         batch_size: rows per call (static).
@@ -164,6 +199,9 @@ def export(
         raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     if max_seq_len < 1 or batch_size < 1:
         raise UsageError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+    path = Path(path)
+    if path.is_dir():  # fail before minutes of capture and compilation, not after
+        raise UsageError(f"output path {path} is a directory; expected a file name such as model.kvt")
     t0 = time.perf_counter()
     decoder, model, meta = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size)
     try:
@@ -201,5 +239,7 @@ def export(
 
 
 def _vocab(ep: torch.export.ExportedProgram) -> int:
-    out = next(n for n in ep.graph.nodes if n.op == "output").args[0][0]
-    return int(out.meta["val"].shape[-1])
+    """V of the logits output (the one user output; mutated state may be listed among the graph outputs)."""
+    (logits,) = ep.graph_signature.user_outputs
+    node = next(n for n in ep.graph.nodes if n.name == logits)
+    return int(node.meta["val"].shape[-1])

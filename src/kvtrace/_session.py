@@ -35,10 +35,12 @@ class Session:
     holding the spec's declared initial values.
     """
 
-    def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str = "cpu"):
+    def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str = "cpu",
+                 vocab_size: int | None = None):
         self.spec = spec
         self._prefill = prefill
         self._decode = decode
+        self._vocab = vocab_size  # when known, token ids are checked against it before a program runs
         self._state = spec.allocate(device)  # [B, H_kv, S, D] per k/v buffer, then extras
         self._pos = 0
 
@@ -70,6 +72,11 @@ class Session:
             raise UsageError(f"this artifact was exported for batch {self.spec.batch_size}; {what} got batch {b}")
         if t < 1:
             raise UsageError(f"{what} got 0 tokens; expected at least 1")
+        if self._vocab is not None:
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self._vocab:
+                bad = lo if lo < 0 else hi
+                raise UsageError(f"{what} got token id {bad}, outside the vocabulary [0, {self._vocab})")
         end = self._pos + t
         if end > self.spec.max_seq_len:
             raise CacheOverflowError(
@@ -77,7 +84,7 @@ class Session:
                 f"max_seq_len={self.spec.max_seq_len}; reset(), rewind(), or export with a larger --max-seq-len"
             )
         input_pos = torch.arange(self._pos, end, dtype=torch.int64)  # [T] absolute positions
-        logits = program(tokens.to(torch.int64), input_pos, *self._state)
+        logits = program(tokens.to(torch.int64).contiguous(), input_pos, *self._state)
         self._pos = end
         return logits
 
@@ -103,6 +110,12 @@ class Session:
     def restore(self, snap: Snapshot) -> None:
         if len(snap.state) != len(self._state):
             raise UsageError(f"snapshot holds {len(snap.state)} tensors, this session {len(self._state)}")
+        for b, src in zip(self.spec.buffers(), snap.state, strict=True):
+            if tuple(src.shape) != b.shape or src.dtype != b.torch_dtype:
+                raise UsageError(
+                    f"snapshot tensor for {b.name} is {src.dtype} {list(src.shape)}; this session holds "
+                    f"{b.torch_dtype} {list(b.shape)}. Restore a snapshot taken from a session of the same artifact"
+                )
         for dst, src in zip(self._state, snap.state, strict=True):
             dst.copy_(src)
         self._pos = snap.position
