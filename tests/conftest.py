@@ -36,10 +36,10 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
         cfg = tf.Qwen3Config(**cfg_kwargs, head_dim=16, use_sliding_window=False)
         cls = tf.Qwen3ForCausalLM
     elif arch == "mistral":
-        cfg = tf.MistralConfig(**cfg_kwargs, sliding_window=None)
+        cfg = tf.MistralConfig(**{"sliding_window": None, **cfg_kwargs})
         cls = tf.MistralForCausalLM
     elif arch == "phi3":
-        cfg = tf.Phi3Config(**cfg_kwargs, pad_token_id=0, bos_token_id=1, eos_token_id=2, sliding_window=None)
+        cfg = tf.Phi3Config(**{"sliding_window": None, **cfg_kwargs}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         cls = tf.Phi3ForCausalLM
     else:
         raise ValueError(arch)

@@ -24,7 +24,7 @@ from kvtrace import _hf_cache as hfc
 from kvtrace._cache_spec import CacheSpec, LayerKind, LayerSpec
 from kvtrace._errors import UnsupportedError, UsageError
 
-__all__ = ["HFDecoder", "hf_cache_spec"]
+__all__ = ["HFDecoder", "hf_cache_spec", "make_decoder"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
@@ -96,3 +96,15 @@ class HFDecoder(torch.nn.Module):
             **{self._cache_kw: cache},
         )
         return out.logits  # [B, T, V]
+
+
+def make_decoder(model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1) -> torch.nn.Module:
+    """The Decoder to export for an HF model: the lean LlamaDecoder for plain Llama-family configs
+    (Llama, SmolLM2, Qwen2, Mistral without sliding window), else the general HFDecoder."""
+    from kvtrace._llama import LlamaDecoder, supports
+
+    if supports(model.config):
+        dtype = next(model.parameters()).dtype
+        spec = hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
+        return LlamaDecoder.from_hf(model, spec)
+    return HFDecoder(model, max_seq_len=max_seq_len, batch_size=batch_size)

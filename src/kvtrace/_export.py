@@ -136,7 +136,7 @@ def _example_args(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
 def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int
                  ) -> tuple[torch.nn.Module, torch.nn.Module | None, ExportMeta]:
     """Return (decoder, eager HF model or None, meta) for a source string/path, HF model or Decoder."""
-    from kvtrace._decoder import HFDecoder
+    from kvtrace._decoder import make_decoder
 
     if isinstance(source, torch.nn.Module) and hasattr(source, "cache_spec"):
         return source, None, ExportMeta(model_name=type(source).__name__)
@@ -147,7 +147,7 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
             model = copy.deepcopy(source).to(dtype)
         meta = ExportMeta(model_name=type(model).__name__, model_type=model.config.model_type,
                           eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
-        return HFDecoder(model, max_seq_len=max_seq_len, batch_size=batch_size), model, meta
+        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size), model, meta
     from kvtrace._sources import load_model
 
     loaded = load_model(source, dtype=dtype)
@@ -160,7 +160,7 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
         chat_template=loaded.chat_template,
         tokenizer_json=loaded.tokenizer.to_str() if loaded.tokenizer is not None else None,
     )
-    return HFDecoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size), loaded.model, meta
+    return make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size), loaded.model, meta
 
 
 def _eos(config: Any) -> tuple[int, ...]:
