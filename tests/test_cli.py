@@ -190,9 +190,9 @@ def test_verify_command_passes_and_writes_json(hf_dir, tmp_path, capsys):
 
 
 def test_bench_quick_mode(hf_dir, tmp_path, capsys):
-    out = tmp_path / "bench.json"
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(["bench", "--model", str(hf_dir), "--backends", "hf-eager,jit,exported", "--prompt-len", "4",
-                 "--new-tokens", "4", "--runs", "1", "--max-seq-len", "32", "--json", str(out)])
+                 "--new-tokens", "4", "--runs", "1", "--max-seq-len", "64", "--json", str(out), "--plot", str(png)])
     assert code == 0, capsys.readouterr()
     data = json.loads(out.read_text())
     assert data["bandwidth_gb_s"] > 0
@@ -202,3 +202,5 @@ def test_bench_quick_mode(hf_dir, tmp_path, capsys):
         assert r["decode_tok_s"] > 0 and r["prefill_ms"] > 0 and not r["error"]
         assert r["tokens_match_eager"] is True
     assert rows["jit"]["recompiles"] == 0
+    assert [p for p, _ in rows["exported"]["position_sweep"]] == [32, 48]  # 32, then max_seq_len - 16
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

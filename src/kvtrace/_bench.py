@@ -45,6 +45,7 @@ class BenchResult:
     first_mismatch: int | None = None
     bound_fraction: float | None = None  # decode tok/s x bytes/token / bandwidth
     vs_hf_eager: float | None = None
+    position_sweep: list[tuple[int, float]] = field(default_factory=list)  # (context position, decode tok/s)
     tokens: list[int] = field(default_factory=list, repr=False)
     error: str = ""
 
@@ -154,6 +155,33 @@ def _generate(s: _Stepper, ids: torch.Tensor, n: int) -> tuple[float, float, lis
     return t1 - t0, (n - 1) / max(t2 - t1, 1e-9), toks
 
 
+def _random_ids(vocab: int, n: int, seed: int) -> torch.Tensor:
+    """[1, n] token ids away from the special ids at the ends of the vocabulary (when it is big enough)."""
+    lo = 10 if vocab > 40 else 0
+    return torch.randint(lo, vocab - lo, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _position_sweep(s: _Stepper, vocab: int, positions: tuple[int, ...], n: int = 16) -> list[tuple[int, float]]:
+    """Decode tokens/s over ``n`` steps starting at each context position (prefill brings it there)."""
+    out = []
+    for pos in positions:
+        ids = _random_ids(vocab, pos, seed=pos)
+        s.reset()
+        tok = s.prefill(ids)[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = s.decode(tok)[:, -1:].argmax(-1)
+        out.append((pos, round(n / (time.perf_counter() - t0), 2)))
+    return out
+
+
+def sweep_positions(max_seq_len: int, n: int = 16) -> tuple[int, ...]:
+    """32, 64, 128, ... up to the last position that leaves room for ``n`` decode steps."""
+    last = max_seq_len - n
+    pos = [p for p in (32, 64, 128, 256, 512, 1024, 2048, 4096) if p < last]
+    return (*pos, last) if last >= 32 else tuple(pos)
+
+
 def _bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
     from kvtrace._hf_cache import kv_geometry
 
@@ -181,7 +209,7 @@ def _threads(n: int | None) -> Iterator[None]:
 def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
               backends: tuple[str, ...] = ("hf-eager", "exported", "aoti"), prompt_lens: tuple[int, ...] = (37,),
               new_tokens: int = 128, dtypes: tuple[str, ...] = ("float32",), runs: int = 3,
-              max_seq_len: int = 1024, threads: int | None = None,
+              max_seq_len: int = 1024, threads: int | None = None, sweep: bool = False,
               progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
     """Run every (dtype, prompt length, backend) and return a JSON-able dict with a ``results`` list."""
     from kvtrace._export import DTYPES
@@ -208,7 +236,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
             for plen in prompt_lens:
                 if plen + new_tokens > max_seq_len:
                     raise UsageError(f"prompt {plen} + new tokens {new_tokens} exceed --max-seq-len {max_seq_len}")
-                ids = torch.randint(10, m.config.vocab_size - 10, (1, plen), generator=torch.Generator().manual_seed(0))
+                ids = _random_ids(m.config.vocab_size, plen, seed=0)
                 ref_tokens: list[int] | None = None
                 for b in backends:
                     r = BenchResult(b, dtype, plen, new_tokens, load_s=round(load_s, 2))
@@ -232,6 +260,9 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     r.decode_tok_s, r.decode_tok_s_range = statistics.median(dec), (min(dec), max(dec))
                     r.tokens = runs_out[-1][2]
                     r.peak_rss_mib = round(_rss_mib(), 1)
+                    if sweep:
+                        with progress(f"{b} {dtype}: decode speed against context position"):
+                            r.position_sweep = _position_sweep(s, m.config.vocab_size, sweep_positions(max_seq_len))
                     r.recompiles = s.recompiles()
                     if s.artifact is not None:
                         r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
@@ -280,6 +311,31 @@ def render(data: dict[str, Any]) -> Any:
     return t
 
 
+def plot(data: dict[str, Any], path: str | Path) -> None:
+    """PNG: decode tokens/s against context position, one line per backend and dtype."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from e
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in data["results"]:
+        if r["position_sweep"]:
+            xs, ys = zip(*r["position_sweep"], strict=True)
+            ax.plot(xs, ys, marker="o", label=f"{r['backend']} {r['dtype']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context position")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"kvtrace bench ({data['threads']} threads, read bandwidth {data['bandwidth_gb_s']} GB/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def run_cli_bench(args: Any, ui: Any) -> int:
     data = run_bench(
         model_source=args.model,
@@ -290,8 +346,11 @@ def run_cli_bench(args: Any, ui: Any) -> int:
         runs=args.runs,
         max_seq_len=args.max_seq_len,
         threads=args.threads,
+        sweep=args.plot is not None,
         progress=ui.step,
     )
+    if args.plot:
+        plot(data, args.plot)
     if args.json:
         Path(args.json).write_text(json.dumps(data, indent=2))
     ui.out.print(render(data))

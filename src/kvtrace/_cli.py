@@ -25,7 +25,7 @@ EXAMPLES = {
     "run": 'kvtrace run smollm2.kvt --prompt "Who\'s the founder of Meta?" --max-len 128',
     "verify": 'kvtrace verify smollm2-135m-instruct --against jit,exported --steps 8 --json report.json',
     "cache": "kvtrace cache list\n  kvtrace cache clear",
-    "bench": "kvtrace bench --backends hf-eager,exported,aoti --new-tokens 128 --json bench.json",
+    "bench": "kvtrace bench --backends hf-eager,exported,aoti --new-tokens 128 --json bench.json --plot bench.png",
 }
 
 
@@ -284,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="also measure decode speed against context position and plot it (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
     return parser
 
