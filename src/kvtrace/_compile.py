@@ -55,4 +55,12 @@ class _FlatRunner:
         self._run = runner.loader.boxed_run
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
+        # The compiled kernels index inputs with the strides of the (contiguous) example tensors and
+        # do not check them: a strided view (a sliced position_ids, a cropped cache) gives wrong numbers.
+        for i, t in enumerate(flat):
+            if not t.is_contiguous():
+                raise ValueError(
+                    f"compiled program argument {i} (shape {tuple(t.shape)}, strides {t.stride()}) is not "
+                    "contiguous; pass .contiguous() tensors"
+                )
         return self._run(list(flat))
