@@ -451,3 +451,20 @@ def test_inductor_dynamic_cache():
     assert jm.stats.captures == 2
     print(f"\ninductor tiny llama: first={seconds[0]:.2f}s second={seconds[1]:.2f}s "
           f"median later={statistics.median(seconds[2:]):.4f}s")
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.compile)])
+def test_shortest_lengths_one_token_prompt_then_decode(backend):
+    """T = 1 prefill on a fresh cache and P = 1 / P = 2 decodes: below the capture example sizes."""
+    model = tiny_model("llama")
+    jm = kvtrace.jit(model, backend=backend)
+    for prompt in ([[7]], [[7, 9]]):
+        jc, ec = DynamicCache(), DynamicCache()
+        ids, mask = torch.tensor(prompt), ones(1, len(prompt[0]))
+        for _ in range(3):
+            j = jm(input_ids=ids, attention_mask=mask, past_key_values=jc, use_cache=True)
+            e = model(input_ids=ids, attention_mask=mask, past_key_values=ec, use_cache=True)
+            assert_close(j.logits, e.logits, torch.float32, f"prompt {prompt}, length {mask.shape[1]}")
+            assert_caches_close(jc, ec, torch.float32)
+            ids, mask = e.logits[:, -1:].argmax(-1), grow(mask)
+    assert jm.stats.captures == 2
