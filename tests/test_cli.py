@@ -204,3 +204,10 @@ def test_bench_quick_mode(hf_dir, tmp_path, capsys):
     assert rows["jit"]["recompiles"] == 0
     assert [p for p, _ in rows["exported"]["position_sweep"]] == [32, 48]  # 32, then max_seq_len - 16
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lint_command(hf_dir, tmp_path, capsys):
+    out = tmp_path / "lint.json"
+    assert main(["lint", str(hf_dir), "--json", str(out)]) == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["captures"] == 2 and report["findings"] == []

@@ -24,6 +24,7 @@ EXAMPLES = {
     "export": "kvtrace export smollm2-135m-instruct -o smollm2.kvt --max-seq-len 1024 --backend aoti",
     "run": 'kvtrace run smollm2.kvt --prompt "Who\'s the founder of Meta?" --max-len 128',
     "verify": 'kvtrace verify smollm2-135m-instruct --against jit,exported --steps 8 --json report.json',
+    "lint": "kvtrace lint smollm2-135m-instruct --json lint.json",
     "cache": "kvtrace cache list\n  kvtrace cache clear",
     "bench": "kvtrace bench --backends hf-eager,exported,aoti --new-tokens 128 --json bench.json --plot bench.png",
 }
@@ -170,6 +171,16 @@ def cmd_verify(args: argparse.Namespace, ui: _UI) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_lint(args: argparse.Namespace, ui: _UI) -> int:
+    from kvtrace._lint import run_cli_lint
+
+    report = run_cli_lint(args, step=ui.step)
+    if args.json:
+        Path(args.json).write_text(report.to_json())
+    ui.out.print("\n".join(report.lines()), markup=False, highlight=False, soft_wrap=True)
+    return 0 if report.ok else 1
+
+
 def cmd_cache(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._build import clear_artifacts, list_artifacts
     from kvtrace._sources import cache_dir, clear_cache, list_cache
@@ -269,6 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--raw", dest="chat", action="store_false", default=True)
     p.set_defaults(func=cmd_verify)
+
+    p = add("lint", "Check that a model captures under kvtrace.jit with no length baked in, no recapture and no "
+            "side effects.", json_flag=False)
+    p.add_argument("source", help="smollm2-135m-instruct, a HF model dir, or a GGUF file")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.set_defaults(func=cmd_lint)
 
     p = add("cache", "List or clear kvtrace's caches (converted weights, compiled artifacts).")
     p.add_argument("action", choices=("list", "clear"))

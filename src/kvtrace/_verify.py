@@ -4,12 +4,18 @@ Every runner speaks one small protocol (``Runner``): reset, prefill, decode, and
 the valid part of every layer's K and V as ``[B, H_kv, P, D]``. The harness feeds the reference's
 greedy token to every runner (teacher forcing), so one early error cannot hide later ones, and
 records per step: logits max abs / max rel error, top-1 agreement, and per layer the max abs
-error of K and V. Pass/fail uses the per-dtype tolerances of ``_tolerances``.
+error of K and V. Pass/fail uses the per-dtype tolerances of ``_tolerances``; a NaN anywhere fails.
+
+A failing row says what failed, cache first (the earliest layer whose K or V is off, with the first
+bad position), then the logits, e.g. ``"layer 0 K max abs 1.3 > 0.0001 (first bad position 0,
+worst 4); logits max abs 2.1 > 0.0005"``. A candidate that raises fails that step (the error is
+the failure text) and is skipped for the rest of that prompt; the next prompt resets it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -108,7 +114,8 @@ class StepRow:
     v_max_abs: tuple[float, ...]
     cache_len_ok: bool
     passed: bool
-    failure: str = ""  # what failed first, e.g. "layer 3 K", "logits", "cache length 7 != 8"
+    failure: str = ""  # e.g. "layer 3 K max abs ... (first bad position 7, worst 9); logits max abs ...",
+    # "layer 0 cache shape [1, 2, 14, 16] != eager [1, 2, 3, 16]", "raised UsageError: ..."
 
     @property
     def worst_layer(self) -> int:
@@ -150,42 +157,92 @@ class VerifyReport:
                 "kv_max_abs": max((*kv.k_max_abs, *kv.v_max_abs), default=0.0),
                 "kv_worst": f"p{kv.prompt}/{kv.step} layer {kv.worst_layer}",
                 "passed": fail is None,
+                "result": "PASS" if fail is None else "FAIL",
+                "tolerance": self.tolerance["rule"],
                 "first_failure": "" if fail is None else f"prompt {fail.prompt} step {fail.step}: {fail.failure}",
             })
         return out
 
     def to_json(self) -> str:
-        return json.dumps({"passed": self.passed, "dtype": self.dtype, "tolerance": self.tolerance,
-                           "summary": self.summary(), "rows": [asdict(r) for r in self.rows]}, indent=2)
+        """Strict JSON (an infinite or NaN error is written as null; the row's ``failure`` says why)."""
+        doc = {"passed": self.passed, "result": "PASS" if self.passed else "FAIL", "dtype": self.dtype,
+               "tolerance": self.tolerance, "summary": self.summary(), "rows": [asdict(r) for r in self.rows]}
+        return json.dumps(_finite(doc), indent=2, allow_nan=False)
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _over(d: float, limit: float) -> bool:
+    return not d <= limit  # NaN is over every limit
 
 
 def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand: Runner,
              ref_logits: torch.Tensor, cand_logits: torch.Tensor, tol: Tolerance) -> StepRow:
     ref_f, cand_f = ref_logits.float(), cand_logits.float()
-    l_abs = max_abs_diff(cand_f, ref_f)
     ref_max = ref_f.abs().max().item()
-    l_rel = l_abs / max(ref_max, 1e-12)
-    top1 = (cand_f.argmax(-1) == ref_f.argmax(-1)).float().mean().item()
-    tok_ok = bool((cand_f[:, -1].argmax(-1) == ref_f[:, -1].argmax(-1)).all())
-    failure = "" if l_abs <= tol.limit(ref_max) else f"logits max abs {l_abs:.3g} > {tol.limit(ref_max):.3g}"
+    if cand_f.shape != ref_f.shape:
+        l_abs = l_rel = math.inf
+        top1, tok_ok = 0.0, False
+        logits_failure = f"logits shape {list(cand_f.shape)} != eager {list(ref_f.shape)}"
+    else:
+        l_abs = max_abs_diff(cand_f, ref_f)
+        l_rel = l_abs / max(ref_max, 1e-12)
+        top1 = (cand_f.argmax(-1) == ref_f.argmax(-1)).float().mean().item()
+        tok_ok = bool((cand_f[:, -1].argmax(-1) == ref_f[:, -1].argmax(-1)).all())
+        lim = tol.limit(ref_max)
+        logits_failure = f"logits max abs {l_abs:.3g} > {lim:.3g}" if _over(l_abs, lim) else ""
     ks, vs = [], []
     len_ok = True
-    for i, ((rk, rv), (ck, cv)) in enumerate(zip(ref.cache(), cand.cache(), strict=True)):
-        if ck.shape != rk.shape:
+    cache_failures: list[str] = []
+    ref_cache, cand_cache = ref.cache(), cand.cache()
+    if len(cand_cache) != len(ref_cache):
+        len_ok = False
+        cache_failures.append(f"cache has {len(cand_cache)} layers, eager {len(ref_cache)}")
+    for i, ((rk, rv), (ck, cv)) in enumerate(zip(ref_cache, cand_cache, strict=False)):
+        if ck.shape != rk.shape or cv.shape != rv.shape:
             len_ok = False
-            failure = failure or f"layer {i} cache shape {list(ck.shape)} != eager {list(rk.shape)}"
-            ks.append(float("inf"))
-            vs.append(float("inf"))
+            cache_failures.append(f"layer {i} cache shape {list(ck.shape)} != eager {list(rk.shape)}")
+            ks.append(math.inf)
+            vs.append(math.inf)
             continue
         for which, r, c, acc in (("K", rk, ck, ks), ("V", rv, cv, vs)):
             d = max_abs_diff(c, r)
             acc.append(d)
             lim = tol.limit(r.float().abs().max().item() if r.numel() else 0.0)
-            if d > lim and not failure:
-                pos = int((c.float() - r.float()).abs().amax(dim=(0, 1, 3)).argmax())
-                failure = f"layer {i} {which} max abs {d:.3g} > {lim:.3g} (worst at position {pos})"
+            if _over(d, lim):
+                per_pos = (c.float() - r.float()).abs().amax(dim=(0, 1, 3))  # [P]
+                bad = (~(per_pos <= lim)).nonzero().flatten()
+                first = int(bad[0]) if bad.numel() else -1
+                worst = int(torch.nan_to_num(per_pos, nan=math.inf).argmax())
+                cache_failures.append(f"layer {i} {which} max abs {d:.3g} > {lim:.3g} "
+                                      f"(first bad position {first}, worst {worst})")
+    for _ in range(len(ks), len(ref_cache)):  # layers the candidate lacks
+        ks.append(math.inf)
+        vs.append(math.inf)
+    parts = cache_failures[:1]
+    if len(cache_failures) > 1:
+        parts[0] += f" (+{len(cache_failures) - 1} more layer K/V)"
+    failure = "; ".join([*parts, *([logits_failure] if logits_failure else [])])
     return StepRow(name, prompt, step, position, l_abs, l_rel, top1, tok_ok, tuple(ks), tuple(vs), len_ok,
                    not failure, failure)
+
+
+def _error_row(name: str, prompt: int, step: str, position: int, n_layers: int, failure: str) -> StepRow:
+    inf = (math.inf,) * n_layers
+    return StepRow(name, prompt, step, position, math.inf, math.inf, 0.0, False, inf, inf, False, False, failure)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"raised {type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
 
 
 def verify(
@@ -201,26 +258,38 @@ def verify(
     report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": str(tol)},
                           dtype=str(dtype).removeprefix("torch."))
     with torch.inference_mode():
-        for r in (reference, *candidates):
-            r.reset()
         for p_idx, prompt in enumerate(prompts):
             ids = torch.as_tensor(prompt, dtype=torch.int64)
             ids = ids.reshape(1, -1) if ids.dim() == 1 else ids  # [B, T]
-            if p_idx:
-                for r in (reference, *candidates):
-                    r.reset()
+            reference.reset()  # before every prompt, the first one included
+            broken: dict[int, str] = {}  # candidate index -> why it is skipped for the rest of this prompt
+            for c_idx, c in enumerate(candidates):
+                try:
+                    c.reset()
+                except Exception as e:
+                    broken[c_idx] = f"reset() {_describe(e)}"
             ref_logits = reference.prefill(ids)
-            outs = [c.prefill(ids) for c in candidates]
+            n_layers = len(reference.cache())
             pos = ids.shape[1]
-            for c, lg in zip(candidates, outs, strict=True):
-                report.rows.append(_compare(c.name, p_idx, "prefill", pos, reference, c, ref_logits, lg, tol))
-            for s in range(1, steps + 1):
-                tok = ref_logits[:, -1:].argmax(-1)  # [B, 1] the reference's greedy token, fed to all
-                ref_logits = reference.decode(tok)
-                outs = [c.decode(tok) for c in candidates]
-                pos += 1
-                for c, lg in zip(candidates, outs, strict=True):
-                    report.rows.append(_compare(c.name, p_idx, str(s), pos, reference, c, ref_logits, lg, tol))
+            for s in range(steps + 1):
+                step = "prefill" if s == 0 else str(s)
+                if s:
+                    tok = ref_logits[:, -1:].argmax(-1)  # [B, 1] the reference's greedy token, fed to all
+                    ref_logits = reference.decode(tok)
+                    pos += 1
+                for c_idx, c in enumerate(candidates):
+                    if c_idx in broken:
+                        report.rows.append(_error_row(c.name, p_idx, step, pos, n_layers, broken[c_idx]))
+                        if not broken[c_idx].startswith("skipped"):
+                            broken[c_idx] = f"skipped: {broken[c_idx]} at step {step}"
+                        continue
+                    try:
+                        out = c.prefill(ids) if s == 0 else c.decode(tok)
+                        row = _compare(c.name, p_idx, step, pos, reference, c, ref_logits, out, tol)
+                    except Exception as e:
+                        row = _error_row(c.name, p_idx, step, pos, n_layers, _describe(e))
+                        broken[c_idx] = f"skipped: {_describe(e)} at step {step}"
+                    report.rows.append(row)
     return report
 
 
@@ -228,11 +297,18 @@ def render(report: VerifyReport) -> Any:
     """A rich renderable: one summary row per candidate, with the tolerance in the title."""
     from rich.table import Table
 
-    t = Table(title=f"kvtrace verify ({report.dtype}; pass if max|a-b| <= {report.tolerance['rule']})")
+    summary = report.summary()
+    verdict = "[green]PASS[/green]" if report.passed else "[red]FAIL[/red]"
+    failed = [s["candidate"] for s in summary if not s["passed"]]
+    t = Table(
+        title=f"kvtrace verify ({report.dtype}; pass if max|a-b| <= {report.tolerance['rule']})",
+        caption=f"{verdict}: {len(summary) - len(failed)}/{len(summary)} candidate(s) within the {report.dtype} "
+                f"tolerance {report.tolerance['rule']}" + (f"; failed: {', '.join(failed)}" if failed else ""),
+    )
     for col in ("candidate", "steps", "logits max abs", "worst step", "top-1 agree", "greedy tokens",
                 "K/V max abs", "worst K/V", "result"):
-        t.add_column(col)
-    for s in report.summary():
+        t.add_column(col, overflow="fold")
+    for s in summary:
         t.add_row(
             s["candidate"], str(s["steps"]), f"{s['logits_max_abs']:.3g}", s["logits_worst_step"],
             f"{s['top1_agree']:.3f}", f"{s['tokens_agree']}/{s['steps']}", f"{s['kv_max_abs']:.3g}", s["kv_worst"],
@@ -289,18 +365,16 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
     longest = max(len(i) for i in ids) + args.steps
     max_seq_len = max(args.max_seq_len, longest)
     cands: list[Runner] = []
-    tmp = tempfile.TemporaryDirectory(prefix="kvtrace-verify-")
-    for a in against:
-        if a in ("jit", "jit-eager"):
-            cands.append(JitRunner(lm.model, backend="inductor" if a == "jit" else "eager"))
-        else:
-            with step(f"exporting ({a})"):
-                path = export(lm.model, Path(tmp.name) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
-                              backend=a)
-            cands.append(SessionRunner(load(path).session(), a))
-    for f in args.artifact:
-        cands.append(SessionRunner(load(f).session(), Path(f).name))
-    with step(f"verifying {len(cands)} candidate(s) on {len(ids)} prompts x (prefill + {args.steps} steps)"):
-        report = verify(EagerRunner(lm.model), cands, ids, steps=args.steps, dtype=dtype)
-    tmp.cleanup()
-    return report
+    with tempfile.TemporaryDirectory(prefix="kvtrace-verify-") as tmp:
+        for a in against:
+            if a in ("jit", "jit-eager"):
+                cands.append(JitRunner(lm.model, backend="inductor" if a == "jit" else "eager"))
+            else:
+                with step(f"exporting ({a})"):
+                    path = export(lm.model, Path(tmp) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
+                                  backend=a)
+                cands.append(SessionRunner(load(path).session(), a))
+        for f in args.artifact:
+            cands.append(SessionRunner(load(f).session(), Path(f).name))
+        with step(f"verifying {len(cands)} candidate(s) on {len(ids)} prompts x (prefill + {args.steps} steps)"):
+            return verify(EagerRunner(lm.model), cands, ids, steps=args.steps, dtype=dtype)
