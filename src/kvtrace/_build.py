@@ -11,6 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ def _artifacts_dir() -> Path:
 
 
 def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "float32",
-                    batch_size: int = 1) -> BuildResult:
+                    batch_size: int = 1, progress: Any = None) -> BuildResult:
     """The artifact for ``source`` with these options, exporting it on a cache miss."""
     from kvtrace._export import export
     from kvtrace._sources import resolve_source
@@ -51,8 +52,8 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
     if path.is_file():
         return BuildResult(path, True, 0.0)
     t0 = time.perf_counter()
-    export(src, path, max_seq_len=max_seq_len, dtype=dtype,
-           batch_size=batch_size, backend=backend)
+    export(src, path, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size, backend=backend,
+           progress=progress)
     return BuildResult(path, False, time.perf_counter() - t0)
 
 

@@ -113,8 +113,8 @@ def cmd_generate(args: argparse.Namespace, ui: _UI) -> int:
 
     prompt = _read_prompt(args.prompt)
     t0 = time.perf_counter()
-    with ui.step(f"preparing {args.model or 'smollm2-135m-instruct'} ({args.backend}, load + convert + export + compile on first use)"):
-        built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype)
+    built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
+                            progress=ui.step)
     with ui.step("loading artifact"):
         art = load(built.path)
     load_s = time.perf_counter() - t0
@@ -146,9 +146,8 @@ def cmd_export(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._export import export
 
     t0 = time.perf_counter()
-    with ui.step(f"exporting {args.source} ({args.backend}, max_seq_len {args.max_seq_len}, {args.dtype})"):
-        path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                      backend=args.backend)
+    path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
+                  progress=ui.step)
     info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
     if ui.json_mode:
         print(json.dumps(info))

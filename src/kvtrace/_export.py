@@ -9,11 +9,14 @@ from the CacheSpec with their declared initial values.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
 import tempfile
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -178,6 +181,7 @@ def export(
     dtype: str | torch.dtype = "float32",
     batch_size: int = 1,
     backend: str = "exported",
+    progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """Export a decoder with its KV cache to one artifact file.
 
@@ -191,6 +195,8 @@ def export(
         dtype: ``"float32"`` or ``"bfloat16"``.
         batch_size: rows per call (static).
         backend: ``"exported"`` (portable torch.export programs) or ``"aoti"`` (AOTInductor-compiled).
+        progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
+            None for none.
     """
     if backend not in BACKENDS:
         raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -203,11 +209,15 @@ def export(
     if path.is_dir():  # fail before minutes of capture and compilation, not after
         raise UsageError(f"output path {path} is a directory; expected a file name such as model.kvt")
     t0 = time.perf_counter()
-    decoder, model, meta = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size)
+    progress = progress or (lambda what: contextlib.nullcontext())
+    with progress("loading model (GGUF is converted once, then cached)"):
+        decoder, model, meta = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size)
     try:
-        eps = capture_programs(decoder)
-        weights = _weights(eps)
-        files = _program_files(eps, backend, weights)
+        with progress("capturing prefill and decode programs (torch.export)"):
+            eps = capture_programs(decoder)
+            weights = _weights(eps)
+        with progress("compiling with AOTInductor" if backend == "aoti" else "serializing programs"):
+            files = _program_files(eps, backend, weights)
     except KvtraceError:
         raise
     except Exception as e:
