@@ -83,17 +83,8 @@ def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64):
     }
     (d / "tokenizer_config.json").write_text(json.dumps(tok_config))
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        vocab_size=len(WORDS),
-        max_position_embeddings=max_position_embeddings,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    config = LlamaConfig(**{**TINY, "vocab_size": len(WORDS), "max_position_embeddings": max_position_embeddings},
+                         bos_token_id=1, eos_token_id=2)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(d)
     return model

@@ -32,7 +32,7 @@ from kvtrace._cache_spec import CacheSpec
 from kvtrace._errors import ArtifactError, UsageError
 from kvtrace._session import Session
 
-__all__ = ["FORMAT", "VERSION", "Artifact", "Manifest", "load", "write_artifact"]
+__all__ = ["FORMAT", "VERSION", "Artifact", "Manifest", "ModelInfo", "load", "write_artifact"]
 
 FORMAT = "kvtrace.artifact"
 VERSION = 1
@@ -41,19 +41,25 @@ PROGRAMS = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
-class Manifest:
-    """Everything a runtime needs to know about an artifact, as plain JSON."""
+class ModelInfo:
+    """Where the decoder came from and how to talk to it (recorded in the manifest)."""
 
-    backend: str
-    cache_spec: CacheSpec
-    vocab_size: int
-    programs: dict[str, str]  # name -> signature, e.g. "(tokens[B,T], input_pos[T], *cache) -> logits[B,T,V]"
     model_name: str = ""
     model_type: str = ""
     source_digest: str = ""
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
     chat_template: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest(ModelInfo):
+    """Everything a runtime needs to know about an artifact, as plain JSON (ModelInfo's fields inline)."""
+
+    backend: str
+    cache_spec: CacheSpec
+    vocab_size: int
+    programs: dict[str, str]  # name -> signature, e.g. "(tokens[B,T], input_pos[T], *cache) -> logits[B,T,V]"
     generation: dict[str, Any] = field(default_factory=dict)  # defaults: temperature, top_k, top_p, ...
     weight_aliases: dict[str, str] = field(default_factory=dict)  # tied weights: name -> stored name
     kvtrace_version: str = ""

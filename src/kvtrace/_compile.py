@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["aoti_compile", "aoti_load"]
+__all__ = ["aoti_compile", "aoti_load", "weights_of"]
 
 
 def inductor_options() -> dict[str, Any]:
@@ -24,10 +24,11 @@ def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLi
     path = torch._inductor.aoti_compile_and_package(
         ep, package_path=os.fspath(package_path), inductor_configs=inductor_options()
     )
-    return aoti_load(path, weights=_weights_of(ep))
+    return aoti_load(path, weights=weights_of(ep))
 
 
-def _weights_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+def weights_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
+    """Every tensor a program reads besides its inputs: parameters, buffers and lifted constants, by name."""
     out: dict[str, torch.Tensor] = dict(ep.state_dict)
     out.update({k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)})
     return out

@@ -17,13 +17,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kvtrace._artifact import BACKENDS, PROGRAMS, Manifest, dedupe_weights, write_artifact
+from kvtrace._artifact import BACKENDS, PROGRAMS, Manifest, ModelInfo, dedupe_weights, write_artifact
 from kvtrace._errors import CaptureError, KvtraceError, UsageError
 
 __all__ = ["capture_programs", "export"]
@@ -33,19 +33,6 @@ PROGRAM_SIGNATURES = {
     "decode": "(tokens[B,1] int64, input_pos[1] int64, *cache) -> logits[B,1,V]",
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ExportMeta:
-    """What the manifest records about where the decoder came from."""
-
-    model_name: str = ""
-    model_type: str = ""
-    source_digest: str = ""
-    bos_id: int | None = None
-    eos_ids: tuple[int, ...] = ()
-    chat_template: str | None = None
-    tokenizer_json: str | None = None
 
 
 def capture_programs(decoder: torch.nn.Module) -> dict[str, torch.export.ExportedProgram]:
@@ -93,16 +80,17 @@ def _dynamic_shapes(decoder: torch.nn.Module, args: tuple[Any, ...], t: Any) -> 
 
 
 def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
+    from kvtrace._compile import weights_of
+
     out: dict[str, torch.Tensor] = {}
     for ep in eps.values():
-        for name, t in [*ep.state_dict.items(), *ep.constants.items()]:
-            if isinstance(t, torch.Tensor):
-                if name in out and out[name].data_ptr() != t.data_ptr():
-                    prev = out[name]
-                    if prev.shape == t.shape and prev.dtype == t.dtype and torch.equal(prev, t):
-                        continue  # e.g. a constant lifted by each capture: same value, store it once
-                    raise CaptureError(f"programs disagree about weight {name}; they must share one weight set")
-                out[name] = t
+        for name, t in weights_of(ep).items():
+            if name in out and out[name].data_ptr() != t.data_ptr():
+                prev = out[name]
+                if prev.shape == t.shape and prev.dtype == t.dtype and torch.equal(prev, t):
+                    continue  # e.g. a constant lifted by each capture: same value, store it once
+                raise CaptureError(f"programs disagree about weight {name}; they must share one weight set")
+            out[name] = t
     return out
 
 
@@ -137,33 +125,35 @@ def _example_args(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
 
 
 def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int
-                 ) -> tuple[torch.nn.Module, torch.nn.Module | None, ExportMeta]:
-    """Return (decoder, eager HF model or None, meta) for a source string/path, HF model or Decoder."""
+                 ) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
+    """(decoder, eager HF model or None, model info, tokenizer JSON or None) for a source string/path,
+    an HF model or a Decoder."""
     from kvtrace._decoder import make_decoder
 
     if isinstance(source, torch.nn.Module) and hasattr(source, "cache_spec"):
-        return source, None, ExportMeta(model_name=type(source).__name__)
+        return source, None, ModelInfo(model_name=type(source).__name__), None
     if isinstance(source, torch.nn.Module):
         model = source
         if any(t.dtype != dtype for t in model.parameters() if t.is_floating_point()):
             # nn.Module.to() converts in place; convert a copy so the caller's model is left untouched.
             model = copy.deepcopy(source).to(dtype)
-        meta = ExportMeta(model_name=type(model).__name__, model_type=model.config.model_type,
-                          eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
-        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size), model, meta
+        info = ModelInfo(model_name=type(model).__name__, model_type=model.config.model_type,
+                         eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
+        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size), model, info, None
     from kvtrace._sources import load_model
 
     loaded = load_model(source, dtype=dtype)
-    meta = ExportMeta(
+    info = ModelInfo(
         model_name=loaded.source.name,
         model_type=loaded.model.config.model_type,
         source_digest=loaded.source.digest,
         bos_id=loaded.bos_id,
         eos_ids=tuple(loaded.eos_ids),
         chat_template=loaded.chat_template,
-        tokenizer_json=loaded.tokenizer.to_str() if loaded.tokenizer is not None else None,
     )
-    return make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size), loaded.model, meta
+    tokenizer_json = loaded.tokenizer.to_str() if loaded.tokenizer is not None else None
+    decoder = make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size)
+    return decoder, loaded.model, info, tokenizer_json
 
 
 def _eos(config: Any) -> tuple[int, ...]:
@@ -211,7 +201,7 @@ def export(
     t0 = time.perf_counter()
     progress = progress or (lambda what: contextlib.nullcontext())
     with progress("loading model (GGUF is converted once, then cached)"):
-        decoder, model, meta = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size)
+        decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size)
     try:
         with progress("capturing prefill and decode programs (torch.export)"):
             eps = capture_programs(decoder)
@@ -222,7 +212,7 @@ def export(
         raise
     except Exception as e:
         raise CaptureError(
-            f"exporting {meta.model_name or type(decoder).__name__} failed ({backend}): {type(e).__name__}: {e}"
+            f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {type(e).__name__}: {e}"
         ) from e
     unique, aliases = dedupe_weights(weights)
     vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["decode"])
@@ -233,19 +223,14 @@ def export(
         cache_spec=decoder.cache_spec,
         vocab_size=vocab,
         programs={p: PROGRAM_SIGNATURES[p] for p in PROGRAMS},
-        model_name=meta.model_name,
-        model_type=meta.model_type,
-        source_digest=meta.source_digest,
-        bos_id=meta.bos_id,
-        eos_ids=meta.eos_ids,
-        chat_template=meta.chat_template,
+        **asdict(info),
         generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
         weight_aliases=aliases,
         kvtrace_version=__version__,
         torch_version=torch.__version__,
         export_seconds=round(time.perf_counter() - t0, 3),
     )
-    return write_artifact(path, manifest, unique, files, meta.tokenizer_json)
+    return write_artifact(path, manifest, unique, files, tokenizer_json)
 
 
 def _vocab(ep: torch.export.ExportedProgram) -> int:
