@@ -65,8 +65,9 @@ CHATML = (
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "the", "cat", "sat"]
 
 
-def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64):
-    """Save a tiny random Llama + WordLevel tokenizer.json + ChatML template in ``d``; return the model."""
+def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64, model=None):
+    """Save a tiny random Llama (or ``model``) + WordLevel tokenizer.json + ChatML template in ``d``;
+    return the model."""
     import tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,9 +83,45 @@ def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64):
         "chat_template": CHATML,
     }
     (d / "tokenizer_config.json").write_text(json.dumps(tok_config))
-    torch.manual_seed(0)
-    config = LlamaConfig(**{**TINY, "vocab_size": len(WORDS), "max_position_embeddings": max_position_embeddings},
-                         bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(config).eval()
+    if model is None:
+        torch.manual_seed(0)
+        config = LlamaConfig(**{**TINY, "vocab_size": len(WORDS), "max_position_embeddings": max_position_embeddings},
+                             bos_token_id=1, eos_token_id=2)
+        model = LlamaForCausalLM(config).eval()
     model.save_pretrained(d)
     return model
+
+
+# --- Llama 3.2 Vision text decoder (MllamaForCausalLM): self- and cross-attention layers --------
+MLLAMA_CROSS_LAYERS = (1, 3)
+IMAGE_TOKENS = 6  # N: image tokens the cross-attention layers attend to
+
+
+def tiny_mllama(dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A tiny random MllamaForCausalLM: 4 layers, cross-attention at layers 1 and 3.
+
+    HF initialises the tanh gates of cross-attention layers to 0 (the image contributes nothing);
+    they are set to non-zero values here so that image features visibly change the logits.
+    """
+    import transformers as tf
+
+    cfg = tf.MllamaTextConfig(**{**TINY, "num_hidden_layers": 4}, cross_attention_layers=list(MLLAMA_CROSS_LAYERS),
+                              rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(seed)
+    model = tf.MllamaForCausalLM(cfg).eval().requires_grad_(False)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(20)
+        for i in MLLAMA_CROSS_LAYERS:
+            layer = model.model.layers[i]
+            layer.cross_attn_attn_gate.fill_(0.9)
+            layer.cross_attn_mlp_gate.fill_(-0.7)
+            layer.cross_attn.k_proj.weight.mul_(10)  # sharper attention over the image tokens
+    return model.to(dtype)
+
+
+def image_features(batch: int = 1, n: int = IMAGE_TOKENS, dim: int = TINY["hidden_size"], seed: int = 1,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Projected image features ``cross_attention_states [B, N, dim]`` (what the vision tower would emit)."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, n, dim, generator=g) * 4).to(dtype)

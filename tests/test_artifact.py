@@ -18,7 +18,7 @@ from conftest import tiny_model
 from kvtrace._artifact import FORMAT, VERSION, Manifest, write_artifact
 from kvtrace._decoder import hf_cache_spec
 from kvtrace._errors import ArtifactError, UsageError
-from kvtrace._export import PROGRAM_SIGNATURES
+from kvtrace._program_spec import DEFAULT_PROGRAMS, ProgramSpec
 from kvtrace._tolerances import close, tolerance_for
 
 MAX_SEQ_LEN = 24
@@ -76,10 +76,11 @@ def test_manifest_contents(built):
     assert raw["cache_spec"] == expected_spec.to_dict()
     assert raw["cache_spec"]["layout"] == "[B, H_kv, S, D]"
     assert m.max_seq_len == raw["cache_spec"]["max_seq_len"] == MAX_SEQ_LEN
-    assert m.programs == PROGRAM_SIGNATURES
-    assert set(m.programs) == {"prefill", "decode"}
-    assert "tokens[B,T]" in m.programs["prefill"] and "input_pos[T]" in m.programs["prefill"]
-    assert "tokens[B,1]" in m.programs["decode"] and "logits[B,1,V]" in m.programs["decode"]
+    assert m.programs == {p.name: p for p in DEFAULT_PROGRAMS}
+    assert set(raw["programs"]) == {"prefill", "decode"}
+    assert "tokens[B,T]" in raw["programs"]["prefill"]["signature"] and "input_pos[T]" in m.programs["prefill"].signature()
+    assert "tokens[B,1]" in raw["programs"]["decode"]["signature"] and "logits[B,1,V]" in m.programs["decode"].signature()
+    assert raw["programs"]["decode"]["single_token"] and raw["programs"]["prefill"]["inputs"] == []
     assert m.eos_ids == (2, 7) and raw["eos_ids"] == [2, 7]
     assert m.bos_id == 1
     assert m.vocab_size == model.config.vocab_size == 128
@@ -234,7 +235,7 @@ def test_missing_file_and_directory_paths(tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         kvtrace.load(tmp_path)
     spec = hf_cache_spec(tiny_model("llama").config, max_seq_len=8, batch_size=1, dtype=torch.float32)
-    m = Manifest(backend="exported", cache_spec=spec, vocab_size=128, programs=dict(PROGRAM_SIGNATURES))
+    m = Manifest(backend="exported", cache_spec=spec, vocab_size=128, programs={p.name: p for p in DEFAULT_PROGRAMS})
     with pytest.raises(UsageError, match="is a directory"):
         write_artifact(tmp_path, m, {}, {}, None)
     assert list(tmp_path.iterdir()) == []
@@ -242,7 +243,7 @@ def test_missing_file_and_directory_paths(tmp_path):
 
 def test_manifest_json_round_trip_and_tokenizer_entry(tmp_path):
     spec = hf_cache_spec(tiny_model("llama").config, max_seq_len=8, batch_size=1, dtype=torch.float32)
-    m = Manifest(backend="exported", cache_spec=spec, vocab_size=128, programs=dict(PROGRAM_SIGNATURES),
+    m = Manifest(backend="exported", cache_spec=spec, vocab_size=128, programs={p.name: p for p in DEFAULT_PROGRAMS},
                  eos_ids=(2,), weight_aliases={"a": "b"}, generation={"temperature": 0.0})
     text = m.to_json()
     assert json.loads(text)["version"] == VERSION
@@ -253,3 +254,26 @@ def test_manifest_json_round_trip_and_tokenizer_entry(tmp_path):
     with zipfile.ZipFile(out) as zf:
         assert zf.read("tokenizer.json") == b'{"tok": 1}'
         assert Manifest.from_json(zf.read("manifest.json").decode()) == m
+
+
+def test_manifest_program_specs_round_trip_and_older_signature_form():
+    from kvtrace._program_spec import InputSpec
+
+    spec = hf_cache_spec(tiny_model("llama").config, max_seq_len=8, batch_size=1, dtype=torch.float32)
+    image = ProgramSpec("prefill_image", method="forward_image", once=True, inputs=(
+        InputSpec("cross_attention_states", ("B", 6, 64), "float32"),
+        InputSpec("cross_attention_mask", ("B", "T", 6), "float32", default=1.0, binary=True)))
+    m = Manifest(backend="exported", cache_spec=spec, vocab_size=128,
+                 programs={**{p.name: p for p in DEFAULT_PROGRAMS}, "prefill_image": image})
+    raw = json.loads(m.to_json())
+    assert raw["programs"]["prefill_image"]["signature"] == (
+        "(tokens[B,T] int64, input_pos[T] int64, cross_attention_states[B, 6, 64] float32, "
+        "cross_attention_mask[B, T, 6] float32, *cache) -> logits[B,T,V]")
+    assert Manifest.from_json(m.to_json()) == m
+    # manifests written before programs had specs map names to signature strings
+    raw["programs"] = {"prefill": "(tokens[B,T] ...)", "decode": "(tokens[B,1] ...)"}
+    old = Manifest.from_json(json.dumps(raw))
+    assert old.programs == {p.name: p for p in DEFAULT_PROGRAMS}
+    raw["programs"] = {"prefill": "(tokens[B,T] ...)"}
+    with pytest.raises(ArtifactError, match="expected at least prefill and decode"):
+        Manifest.from_json(json.dumps(raw))

@@ -211,3 +211,65 @@ def test_lint_command(hf_dir, tmp_path, capsys):
     assert main(["lint", str(hf_dir), "--json", str(out)]) == 0, capsys.readouterr()
     report = json.loads(out.read_text())
     assert report["captures"] == 2 and report["findings"] == []
+
+
+# --- vision decoder (Llama 3.2 Vision text decoder) ------------------------------------------------
+@pytest.fixture(scope="module")
+def vision(tmp_path_factory):
+    """(HF dir of a tiny MllamaForCausalLM + tokenizer, its exported artifact, an image features file)."""
+    from safetensors.torch import save_file
+
+    from conftest import image_features, tiny_mllama
+
+    root = tmp_path_factory.mktemp("vision")
+    (root / "hf").mkdir()
+    make_tiny_hf_dir(root / "hf", model=tiny_mllama())
+    art = root / "vision.kvt"
+    assert main(["export", str(root / "hf"), "-o", str(art), "--max-seq-len", "32", "--image-tokens", "6",
+                 "--quiet"]) == 0
+    save_file({"cross_attention_states": image_features()}, root / "image.safetensors")
+    return root / "hf", art, root / "image.safetensors"
+
+
+def test_run_with_image_features(vision, capsys):
+    _, art, image = vision
+    base = ["run", str(art), "--prompt", "the cat sat", "--max-len", "12", "--raw", "--json"]
+    assert main([*base, "--image-features", str(image)]) == 0
+    with_image = json.loads(capsys.readouterr().out)
+    assert main(base) == 0
+    text_only = json.loads(capsys.readouterr().out)
+    assert with_image["prompt_tokens"] == text_only["prompt_tokens"] == 3
+    assert with_image["new_tokens"] >= 1 and text_only["new_tokens"] >= 1
+
+
+def test_image_features_errors(vision, artifact, tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    _, art, image = vision
+    assert main(["run", str(artifact), "--prompt", "hi", "--image-features", str(image)]) == 2
+    assert "exported from a text-only model" in _error_line(capsys)
+    bad = tmp_path / "bad.safetensors"
+    save_file({"cross_attention_states": torch_zeros(1, 5, 64)}, bad)
+    assert main(["run", str(art), "--prompt", "hi", "--raw", "--image-features", str(bad)]) == 2
+    assert "shape [1, 5, 64]; this artifact expects [1, 6, 64]" in _error_line(capsys)
+    assert main(["run", str(art), "--prompt", "hi", "--image-features", str(tmp_path / "none.safetensors")]) == 2
+    assert "does not exist" in _error_line(capsys)
+
+
+def test_verify_vision_decoder_with_image(vision, tmp_path, capsys):
+    hf, _, image = vision
+    out = tmp_path / "report.json"
+    code = main(["verify", str(hf), "--against", "exported", "--steps", "4", "--raw", "--prompt", "hello world",
+                 "--max-seq-len", "32", "--image-features", str(image), "--json", str(out)])
+    assert code == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["passed"] is True
+    assert len(report["rows"]) == 4 * (1 + 4)  # 2 prompts with the image, then the same 2 text only
+    assert main(["verify", str(hf.parent.parent / "nope"), "--image-features", str(image)]) == 2
+    capsys.readouterr()
+
+
+def torch_zeros(*shape):
+    import torch
+
+    return torch.zeros(*shape)

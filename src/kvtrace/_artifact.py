@@ -7,8 +7,8 @@ repetitive graph metadata and would otherwise outweigh a small model's weights):
     weights.safetensors      every weight once, shared by all programs
     tokenizer.json           the `tokenizers` tokenizer (optional)
     programs/prefill.json    backend "exported": torch.export program, serialized without weights
-    programs/decode.json
-    programs/aoti.pt2        backend "aoti": AOTInductor package with models "prefill" and "decode"
+    programs/decode.json     (one file per program the manifest lists, e.g. also prefill_image.json)
+    programs/aoti.pt2        backend "aoti": AOTInductor package with one model per program
 
 Loading needs torch and kvtrace only: no transformers, and nothing is unpickled (JSON, safetensors
 and AOTInductor's own package format).
@@ -30,6 +30,7 @@ import torch
 
 from kvtrace._cache_spec import CacheSpec
 from kvtrace._errors import ArtifactError, UsageError
+from kvtrace._program_spec import ProgramSpec
 from kvtrace._session import Session
 
 __all__ = ["FORMAT", "VERSION", "Artifact", "Manifest", "ModelInfo", "load", "write_artifact"]
@@ -37,7 +38,6 @@ __all__ = ["FORMAT", "VERSION", "Artifact", "Manifest", "ModelInfo", "load", "wr
 FORMAT = "kvtrace.artifact"
 VERSION = 1
 BACKENDS = ("exported", "aoti")
-PROGRAMS = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Manifest(ModelInfo):
     backend: str
     cache_spec: CacheSpec
     vocab_size: int
-    programs: dict[str, str]  # name -> signature, e.g. "(tokens[B,T], input_pos[T], *cache) -> logits[B,T,V]"
+    programs: dict[str, ProgramSpec]  # name -> spec; always "prefill" and "decode", maybe more
     generation: dict[str, Any] = field(default_factory=dict)  # defaults: temperature, top_k, top_p, ...
     weight_aliases: dict[str, str] = field(default_factory=dict)  # tied weights: name -> stored name
     kvtrace_version: str = ""
@@ -73,6 +73,7 @@ class Manifest(ModelInfo):
     def to_json(self) -> str:
         d = asdict(self)
         d["cache_spec"] = self.cache_spec.to_dict()
+        d["programs"] = {name: p.to_dict() for name, p in self.programs.items()}
         return json.dumps({"format": FORMAT, "version": VERSION, **d}, indent=2, sort_keys=True)
 
     @classmethod
@@ -95,6 +96,10 @@ class Manifest(ModelInfo):
         if not isinstance(d.get("cache_spec"), dict):
             raise ArtifactError(f"manifest has no cache_spec object (found {d.get('cache_spec')!r}); re-export it")
         d["cache_spec"] = CacheSpec.from_dict(d["cache_spec"])
+        programs = d.get("programs")
+        if not isinstance(programs, dict) or not {"prefill", "decode"} <= set(programs):
+            raise ArtifactError(f"manifest lists programs {programs!r}; expected at least prefill and decode")
+        d["programs"] = {name: ProgramSpec.from_dict(name, p) for name, p in programs.items()}
         try:
             d["eos_ids"] = tuple(int(i) for i in d.get("eos_ids", ()))
             m = cls(**d)
@@ -168,8 +173,10 @@ class Artifact:
 
     def session(self) -> Session:
         """A new Session with its own cache, holding the declared initial values."""
+        extra = {n: (spec, self._programs[n]) for n, spec in self.manifest.programs.items()
+                 if n not in ("prefill", "decode")}
         return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
-                       vocab_size=self.manifest.vocab_size)
+                       vocab_size=self.manifest.vocab_size, extra=extra)
 
     def tokenizer(self) -> Any:
         """The `tokenizers.Tokenizer` stored in the artifact (None if it has none)."""
@@ -198,7 +205,7 @@ def _read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
                 raise ArtifactError(f"{path}: manifest.json is not UTF-8 text ({e}); the file is corrupt") from e
             manifest = Manifest.from_json(text)
             needed = ["weights.safetensors", *(
-                ["programs/aoti.pt2"] if manifest.backend == "aoti" else [f"programs/{p}.json" for p in PROGRAMS]
+                ["programs/aoti.pt2"] if manifest.backend == "aoti" else [f"programs/{p}.json" for p in manifest.programs]
             )]
             missing = [n for n in needed if n not in names]
             if missing:
@@ -266,14 +273,14 @@ def load(path: str | os.PathLike[str]) -> Artifact:
     keepalive: list[Any] = [weights]
     try:
         if manifest.backend == "exported":
-            programs = {p: _exported_program(blobs[f"programs/{p}.json"], weights) for p in PROGRAMS}
+            programs = {p: _exported_program(blobs[f"programs/{p}.json"], weights) for p in manifest.programs}
         else:
             from kvtrace._compile import aoti_load
 
             tmpdir = tempfile.TemporaryDirectory(prefix="kvtrace-aoti-")
             pkg = Path(tmpdir.name) / "aoti.pt2"
             pkg.write_bytes(blobs["programs/aoti.pt2"])
-            programs = {p: _logits_only(aoti_load(pkg, weights, model_name=p)) for p in PROGRAMS}
+            programs = {p: _logits_only(aoti_load(pkg, weights, model_name=p)) for p in manifest.programs}
             keepalive.append(tmpdir)
     except ArtifactError:
         raise

@@ -22,7 +22,8 @@ from kvtrace._errors import CaptureError, KvtraceError, UsageError
 EXAMPLES = {
     "generate": 'kvtrace generate "Who\'s the founder of Meta?"\n  echo "Hi" | kvtrace generate - --temperature 0.7 --seed 1',
     "export": "kvtrace export smollm2-135m-instruct -o smollm2.kvt --max-seq-len 1024 --backend aoti",
-    "run": 'kvtrace run smollm2.kvt --prompt "Who\'s the founder of Meta?" --max-len 128',
+    "run": 'kvtrace run smollm2.kvt --prompt "Who\'s the founder of Meta?" --max-len 128\n'
+           '  kvtrace run vision.kvt --prompt "Describe the image." --image-features image.safetensors',
     "verify": 'kvtrace verify smollm2-135m-instruct --against jit,exported --steps 8 --json report.json',
     "lint": "kvtrace lint smollm2-135m-instruct --json lint.json",
     "cache": "kvtrace cache list\n  kvtrace cache clear",
@@ -97,13 +98,33 @@ def _generate(ui: _UI, art: Any, prompt: str, args: argparse.Namespace, max_new:
             sys.stdout.write(delta)
             sys.stdout.flush()
 
-    res = generate(art.session(), ids, max_new_tokens=min(max_new, room), sampling=sampling,
+    inputs = _image_inputs(art, getattr(args, "image_features", None))
+    res = generate(art.session(), ids, max_new_tokens=min(max_new, room), sampling=sampling, inputs=inputs,
                    eos_ids=art.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True),
                    on_text=on_text)
     if not ui.json_mode:
         sys.stdout.write("\n")
     ui.info(f"[dim]{res.stats.line()}[/dim]")
     return {"text": res.text, "tokens": res.tokens, **res.stats.to_dict()}
+
+
+def _image_inputs(art: Any, path: str | None) -> dict[str, Any]:
+    """--image-features FILE.safetensors -> named prefill inputs (checked by the Session)."""
+    if path is None:
+        return {}
+    from kvtrace._program_spec import read_inputs_file
+
+    accepted = {i.name for inputs in art.session().input_specs().values() for i in inputs}
+    if not accepted:
+        raise UsageError(f"--image-features given, but {art.path} was exported from a text-only model "
+                         f"({art.manifest.model_name or art.manifest.model_type}); its prefill takes token ids only")
+    tensors = read_inputs_file(path)
+    if len(tensors) == 1 and "cross_attention_states" in accepted:
+        return {"cross_attention_states": next(iter(tensors.values()))}
+    unknown = sorted(set(tensors) - accepted)
+    if unknown:
+        raise UsageError(f"--image-features {path} holds {unknown}; expected tensors named {sorted(accepted)}")
+    return tensors
 
 
 # --- commands ---------------------------------------------------------------------------------
@@ -147,7 +168,7 @@ def cmd_export(args: argparse.Namespace, ui: _UI) -> int:
 
     t0 = time.perf_counter()
     path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
-                  progress=ui.step)
+                  image_tokens=args.image_tokens, progress=ui.step)
     info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
     if ui.json_mode:
         print(json.dumps(info))
@@ -257,12 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--backend", choices=("exported", "aoti"), default="exported")
+    p.add_argument("--image-tokens", type=int, default=None, metavar="N",
+                   help="vision decoders (Llama 3.2 Vision): image tokens N of cross_attention_states [B, N, dim] "
+                        "(default 6404 = 4 tiles x 1601)")
     p.set_defaults(func=cmd_export)
 
     p = add("run", "Generate from an exported artifact (no transformers needed).")
     p.add_argument("file", help="artifact written by `kvtrace export`")
     p.add_argument("--prompt", required=True, help="prompt text, or - for stdin")
     p.add_argument("--max-len", type=int, default=64, help="prompt + generated tokens (default 64)")
+    p.add_argument("--image-features", default=None, metavar="FILE.safetensors",
+                   help="vision decoder artifacts: image features for the prefill, a .safetensors file holding "
+                        "cross_attention_states [1, N, dim] (and optionally cross_attention_mask [1, T, N])")
     _sampling_args(p)
     p.set_defaults(func=cmd_run)
 
@@ -278,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--raw", dest="chat", action="store_false", default=True)
+    p.add_argument("--image-features", default=None, metavar="FILE.safetensors",
+                   help="vision decoders: cross_attention_states [1, N, dim]; every prompt runs with this image, "
+                        "then again text only")
     p.set_defaults(func=cmd_verify)
 
     p = add("lint", "Check that a model captures under kvtrace.jit with no length baked in, no recapture and no "

@@ -98,13 +98,23 @@ class HFDecoder(torch.nn.Module):
         return out.logits  # [B, T, V]
 
 
-def make_decoder(model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1) -> torch.nn.Module:
-    """The Decoder to export for an HF model: the lean LlamaDecoder for plain Llama-family configs
-    (Llama, SmolLM2, Qwen2, Mistral without sliding window), else the general HFDecoder."""
+def make_decoder(model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1,
+                 image_tokens: int | None = None) -> torch.nn.Module:
+    """The Decoder to export for an HF model: MllamaDecoder for the Llama 3.2 Vision text decoder, the
+    lean LlamaDecoder for plain Llama-family configs (Llama, SmolLM2, Qwen2, Mistral without sliding
+    window), else the general HFDecoder."""
     from kvtrace._llama import LlamaDecoder, supports
+    from kvtrace._mllama import DEFAULT_IMAGE_TOKENS, MllamaDecoder, is_mllama, mllama_cache_spec
 
+    dtype = next(model.parameters()).dtype
+    if is_mllama(model.config):
+        spec = mllama_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype,
+                                 image_tokens=DEFAULT_IMAGE_TOKENS if image_tokens is None else image_tokens)
+        return MllamaDecoder.from_hf(model, spec)
+    if image_tokens is not None:
+        raise UsageError(f"image_tokens applies to vision decoders (MllamaForCausalLM); "
+                         f"{model.config.model_type!r} is a text-only model, so leave it unset")
     if supports(model.config):
-        dtype = next(model.parameters()).dtype
         spec = hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
         return LlamaDecoder.from_hf(model, spec)
     return HFDecoder(model, max_seq_len=max_seq_len, batch_size=batch_size)

@@ -23,49 +23,70 @@ from typing import Any
 
 import torch
 
-from kvtrace._artifact import BACKENDS, PROGRAMS, Manifest, ModelInfo, dedupe_weights, write_artifact
+from kvtrace._artifact import BACKENDS, Manifest, ModelInfo, dedupe_weights, write_artifact
 from kvtrace._errors import CaptureError, KvtraceError, UsageError
+from kvtrace._program_spec import InputSpec, program_specs
 
 __all__ = ["capture_programs", "export"]
 
-PROGRAM_SIGNATURES = {
-    "prefill": "(tokens[B,T] int64, input_pos[T] int64, *cache) -> logits[B,T,V]; 1 <= T <= max_seq_len",
-    "decode": "(tokens[B,1] int64, input_pos[1] int64, *cache) -> logits[B,1,V]",
-}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def capture_programs(decoder: torch.nn.Module) -> dict[str, torch.export.ExportedProgram]:
-    """Export ``decoder`` twice: prefill (T symbolic) and decode (T = 1), same cache signature."""
+    """Export every program the decoder declares (``program_specs``): prefill (T symbolic), decode
+    (T = 1) and any others (e.g. a vision decoder's image prefill), all over the same cache signature."""
     from torch.export import Dim
 
     spec = decoder.cache_spec
-    b = spec.batch_size
-    ex_t = min(3, spec.max_seq_len)  # example length >= 2 keeps T symbolic
-    prefill_args = (torch.zeros(b, ex_t, dtype=torch.int64), torch.arange(ex_t), *spec.allocate())
-    decode_args = (torch.zeros(b, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), *spec.allocate())
-    # A one-slot cache has nothing to be symbolic about (and Dim refuses min == max): prefill is T = 1.
-    shapes = _dynamic_shapes(decoder, prefill_args, Dim("T", min=1, max=spec.max_seq_len)) if ex_t > 1 else None
-    with torch.no_grad():
-        prefill = torch.export.export(decoder, prefill_args, dynamic_shapes=shapes, strict=False)
-        decode = torch.export.export(decoder, decode_args, strict=False)
-    return {"prefill": prefill, "decode": decode}
+    t_dim = Dim("T", min=1, max=spec.max_seq_len)
+    eps = {}
+    for p in program_specs(decoder):
+        # example length >= 2 keeps T symbolic; a one-slot cache has nothing to be symbolic about
+        # (and Dim refuses min == max), so its prefill is T = 1.
+        t = 1 if p.single_token else min(3, spec.max_seq_len)
+        args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t),
+                *(_example_input(i, spec.batch_size, t) for i in p.inputs), *spec.allocate())
+        method = _method_module(decoder, p.method)
+        shapes = _dynamic_shapes(method, args, p.inputs, t_dim) if t > 1 else None
+        with torch.no_grad():
+            eps[p.name] = torch.export.export(method, args, dynamic_shapes=shapes, strict=False)
+    return eps
 
 
-def _dynamic_shapes(decoder: torch.nn.Module, args: tuple[Any, ...], t: Any) -> tuple[Any, ...]:
-    """``dynamic_shapes`` shaped like ``decoder.forward``'s parameters: T symbolic in tokens and input_pos.
+def _example_input(i: InputSpec, batch: int, t: int) -> torch.Tensor:
+    return torch.full(i.concrete(batch, t), i.default if i.default is not None else 0.0, dtype=i.torch_dtype)
+
+
+def _method_module(decoder: torch.nn.Module, method: str) -> torch.nn.Module:
+    """``decoder`` itself, or a shallow copy whose ``forward`` is another method: the same parameter
+    objects under the same names, so every program shares one weight set."""
+    if method == "forward":
+        return decoder
+    fn = getattr(decoder, method, None)
+    if not callable(fn):
+        raise CaptureError(f"{type(decoder).__name__} declares a program of method {method!r}, which it lacks")
+    alias = copy.copy(decoder)
+    alias.forward = fn
+    return alias
+
+
+def _dynamic_shapes(fn: torch.nn.Module, args: tuple[Any, ...], inputs: tuple[InputSpec, ...],
+                    t: Any) -> tuple[Any, ...]:
+    """``dynamic_shapes`` shaped like ``fn.forward``'s parameters: T symbolic in tokens, input_pos and
+    every declared input dim named "T"; the cache is static.
 
     torch.export matches ``dynamic_shapes`` to the signature, so ``forward(tokens, input_pos, *state)``
     needs ``(tok, pos, (None, ...))`` while ``forward(tokens, input_pos, k0, v0, bias)`` needs a flat tuple.
     """
-    flat = [{1: t}, {0: t}, *[None] * (len(args) - 2)]  # tokens [B, T], input_pos [T], state: static
-    sig = inspect.signature(decoder.forward)
+    per_input = [{d: t for d, size in enumerate(i.shape) if size == "T"} or None for i in inputs]
+    flat = [{1: t}, {0: t}, *per_input, *[None] * (len(args) - 2 - len(inputs))]
+    sig = inspect.signature(fn.forward)
     try:
         bound = sig.bind(*args).arguments
     except TypeError as e:
         raise CaptureError(
-            f"{type(decoder).__name__}.forward{sig} cannot take (tokens, input_pos, *state) with "
-            f"{len(args) - 2} state tensors (its cache_spec's buffers): {e}"
+            f"{type(fn).__name__}.forward{sig} cannot take (tokens, input_pos, {len(inputs)} input(s), *state) with "
+            f"{len(args) - 2 - len(inputs)} state tensors (its cache_spec's buffers): {e}"
         ) from e
     out: list[Any] = []
     i = 0
@@ -124,8 +145,8 @@ def _example_args(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
     return args
 
 
-def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int
-                 ) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
+def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int,
+                 image_tokens: int | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
     """(decoder, eager HF model or None, model info, tokenizer JSON or None) for a source string/path,
     an HF model or a Decoder."""
     from kvtrace._decoder import make_decoder
@@ -139,7 +160,8 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
             model = copy.deepcopy(source).to(dtype)
         info = ModelInfo(model_name=type(model).__name__, model_type=model.config.model_type,
                          eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
-        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size), model, info, None
+        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size,
+                            image_tokens=image_tokens), model, info, None
     from kvtrace._sources import load_model
 
     loaded = load_model(source, dtype=dtype)
@@ -152,7 +174,7 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
         chat_template=loaded.chat_template,
     )
     tokenizer_json = loaded.tokenizer.to_str() if loaded.tokenizer is not None else None
-    decoder = make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size)
+    decoder = make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens)
     return decoder, loaded.model, info, tokenizer_json
 
 
@@ -171,6 +193,7 @@ def export(
     dtype: str | torch.dtype = "float32",
     batch_size: int = 1,
     backend: str = "exported",
+    image_tokens: int | None = None,
     progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """Export a decoder with its KV cache to one artifact file.
@@ -185,6 +208,9 @@ def export(
         dtype: ``"float32"`` or ``"bfloat16"``.
         batch_size: rows per call (static).
         backend: ``"exported"`` (portable torch.export programs) or ``"aoti"`` (AOTInductor-compiled).
+        image_tokens: vision decoders only (Llama 3.2 Vision's ``MllamaForCausalLM``): N of the image
+            features ``cross_attention_states [B, N, dim]`` the cross-attention cache holds
+            (default 6404 = 4 tiles x 1601, as the HF processor pads every image).
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """
@@ -201,9 +227,10 @@ def export(
     t0 = time.perf_counter()
     progress = progress or (lambda what: contextlib.nullcontext())
     with progress("loading model (GGUF is converted once, then cached)"):
-        decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size)
+        decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
+                                                            batch_size=batch_size, image_tokens=image_tokens)
     try:
-        with progress("capturing prefill and decode programs (torch.export)"):
+        with progress("capturing programs (torch.export)"):
             eps = capture_programs(decoder)
             weights = _weights(eps)
         with progress("compiling with AOTInductor" if backend == "aoti" else "serializing programs"):
@@ -222,7 +249,7 @@ def export(
         backend=backend,
         cache_spec=decoder.cache_spec,
         vocab_size=vocab,
-        programs={p: PROGRAM_SIGNATURES[p] for p in PROGRAMS},
+        programs={p.name: p for p in program_specs(decoder)},
         **asdict(info),
         generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
         weight_aliases=aliases,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,8 +124,12 @@ def generate(
     eos_ids: Sequence[int] = (),
     decode_text: Callable[[list[int]], str] | None = None,
     on_text: Callable[[str], None] | None = None,
+    inputs: Mapping[str, torch.Tensor] | None = None,
 ) -> GenerationResult:
-    """Prefill ``prompt`` (batch 1) and decode until EOS, ``max_new_tokens`` or the cache is full."""
+    """Prefill ``prompt`` (batch 1) and decode until EOS, ``max_new_tokens`` or the cache is full.
+
+    ``inputs``: named prefill inputs of the artifact, e.g. ``{"cross_attention_states": x}`` for a vision decoder.
+    """
     sampling = sampling or Sampling()
     ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(1, -1)  # [1, T]
     if ids.shape[1] == 0:
@@ -147,7 +151,7 @@ def generate(
 
     t0 = time.perf_counter()
     with torch.inference_mode():
-        logits = session.prefill(ids)[:, -1]  # [1, V]
+        logits = session.prefill(ids, **(inputs or {}))[:, -1]  # [1, V]
         st.prefill_ms = (time.perf_counter() - t0) * 1e3
         t1 = time.perf_counter()
         while True:

@@ -73,6 +73,33 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * xf.to(x.dtype)
 
 
+def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+                         ) -> torch.Tensor:
+    """One pre-norm decoder layer: attention over the cache (written at input_pos), then the SwiGLU MLP.
+
+    x [B, T, dim]; cos/sin [T, D]; mask [T, S] (True = visible); k_cache/v_cache [B, H_kv, S, D].
+    """
+    b, t, _ = x.shape
+    q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    h = _rms_norm(x, layer.attn_norm, a.norm_eps)
+    q, k, v = layer.wqkv(h).split([q_size, kv_size, kv_size], dim=-1)
+    q = _rope(q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H, T, D]
+    k = _rope(k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
+    v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+    k_cache.index_copy_(2, input_pos, k)
+    v_cache.index_copy_(2, input_pos, v)
+    o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
+    x = x + layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
+    return x + swiglu(layer, _rms_norm(x, layer.ffn_norm, a.norm_eps))
+
+
+def swiglu(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """SwiGLU with gate and up fused in ``layer.w13``."""
+    gate, up = layer.w13(h).chunk(2, dim=-1)
+    return layer.w2(F.silu(gate) * up)
+
+
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, H, T, D]; cos/sin [T, D] (HF's rotate-half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -98,27 +125,13 @@ class LlamaDecoder(nn.Module):
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         a = self.args
-        b, t = tokens.shape
         s = self.cache_spec.max_seq_len
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D]
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
         mask = torch.arange(s, device=tokens.device)[None, :] <= input_pos[:, None]  # [T, S]
-        q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
         for i, layer in enumerate(self.layers):
-            k_cache, v_cache = state[2 * i], state[2 * i + 1]  # [B, H_kv, S, D]
-            h = _rms_norm(x, layer.attn_norm, a.norm_eps)
-            q, k, v = layer.wqkv(h).split([q_size, kv_size, kv_size], dim=-1)
-            q = _rope(q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H, T, D]
-            k = _rope(k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
-            v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-            k_cache.index_copy_(2, input_pos, k)
-            v_cache.index_copy_(2, input_pos, v)
-            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)
-            x = x + layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
-            h = _rms_norm(x, layer.ffn_norm, a.norm_eps)
-            gate, up = layer.w13(h).chunk(2, dim=-1)
-            x = x + layer.w2(F.silu(gate) * up)
+            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, state[2 * i], state[2 * i + 1])
         return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T, V]
 
     @classmethod
@@ -146,16 +159,27 @@ class LlamaDecoder(nn.Module):
                 dec.output.weight.copy_(model.lm_head.weight.to(dt))
             dec.norm.copy_(hf.norm.weight.to(dt))
             for mine, theirs in zip(dec.layers, hf.layers, strict=True):
-                att, mlp = theirs.self_attn, theirs.mlp
-                mine.attn_norm.copy_(theirs.input_layernorm.weight.to(dt))
-                mine.ffn_norm.copy_(theirs.post_attention_layernorm.weight.to(dt))
-                mine.wqkv.weight.copy_(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).to(dt))
-                if a.qkv_bias:
-                    mine.wqkv.bias.copy_(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).to(dt))
-                mine.wo.weight.copy_(att.o_proj.weight.to(dt))
-                mine.w13.weight.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).to(dt))
-                mine.w2.weight.copy_(mlp.down_proj.weight.to(dt))
+                copy_hf_layer(mine, theirs, dt)
         return dec.eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def copy_hf_layer(mine: _Layer, theirs: nn.Module, dt: torch.dtype) -> None:
+    """Copy an HF self-attention decoder layer's weights into ``mine``, fusing q/k/v and gate/up."""
+    att, hf_mlp = theirs.self_attn, theirs.mlp
+    mine.attn_norm.copy_(theirs.input_layernorm.weight.to(dt))
+    mine.ffn_norm.copy_(theirs.post_attention_layernorm.weight.to(dt))
+    mine.wqkv.weight.copy_(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).to(dt))
+    if mine.wqkv.bias is not None:
+        mine.wqkv.bias.copy_(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).to(dt))
+    mine.wo.weight.copy_(att.o_proj.weight.to(dt))
+    copy_hf_mlp(mine, hf_mlp, dt)
+
+
+@torch.no_grad()
+def copy_hf_mlp(mine: nn.Module, hf_mlp: nn.Module, dt: torch.dtype) -> None:
+    mine.w13.weight.copy_(torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]).to(dt))
+    mine.w2.weight.copy_(hf_mlp.down_proj.weight.to(dt))
 
 
 def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

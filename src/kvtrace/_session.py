@@ -1,19 +1,21 @@
-"""Session: owns one cache for one conversation over a pair of compiled programs.
+"""Session: owns one cache for one conversation over an artifact's compiled programs.
 
 The position advances in exactly one place (``_run``). Every position handed to a program is a
 tensor; the Session itself keeps a host-side int so it can refuse to run past ``max_seq_len``
-*before* touching the cache.
+*before* touching the cache. Extra programs (e.g. a vision decoder's ``prefill_image``) are picked
+by the named inputs given to ``prefill`` and checked against their declared ``InputSpec`` first.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from kvtrace._cache_spec import CacheSpec
 from kvtrace._errors import CacheOverflowError, UnsupportedError, UsageError
+from kvtrace._program_spec import InputSpec, ProgramSpec
 
 __all__ = ["Session", "Snapshot"]
 
@@ -26,6 +28,7 @@ class Snapshot:
 
     position: int
     state: tuple[torch.Tensor, ...]
+    filled: frozenset[str] = frozenset()  # `once` programs that had run (e.g. the image prefill)
 
 
 class Session:
@@ -36,13 +39,15 @@ class Session:
     """
 
     def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str = "cpu",
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None):
         self.spec = spec
         self._prefill = prefill
         self._decode = decode
+        self._extra = dict(extra or {})  # name -> (spec, program), programs taking named inputs
         self._vocab = vocab_size  # when known, token ids are checked against it before a program runs
         self._state = spec.allocate(device)  # [B, H_kv, S, D] per k/v buffer, then extras
         self._pos = 0
+        self._filled: set[str] = set()  # `once` programs run since reset()
 
     @property
     def position(self) -> int:
@@ -54,9 +59,52 @@ class Session:
         """The live cache tensors (read-only view for inspection and verification)."""
         return tuple(self._state)
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Run ``tokens [B, T]`` at positions ``position .. position+T-1``; returns logits ``[B, T, V]``."""
-        return self._run(self._prefill, tokens, "prefill")
+    @property
+    def filled(self) -> frozenset[str]:
+        """Names of the ``once`` programs run since reset (e.g. ``{"prefill_image"}``: image K/V cached)."""
+        return frozenset(self._filled)
+
+    def input_specs(self) -> dict[str, tuple[InputSpec, ...]]:
+        """Named inputs ``prefill`` accepts, per extra program (empty for a text-only artifact)."""
+        return {name: spec.inputs for name, (spec, _) in self._extra.items()}
+
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor | None) -> torch.Tensor:
+        """Run ``tokens [B, T]`` at positions ``position .. position+T-1``; returns logits ``[B, T, V]``.
+
+        ``inputs`` are the named extra inputs of a program the artifact declares, e.g. for a vision
+        decoder ``cross_attention_states [B, N, dim]`` (and optionally ``cross_attention_mask [B, T, N]``).
+        """
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        if not inputs:
+            return self._run(self._prefill, tokens, "prefill")
+        name, spec, program = self._pick(inputs)
+        if spec.once and name in self._filled:
+            raise UsageError(
+                f"this session already ran {name} (its state, e.g. the image's cross-attention K/V, stays until "
+                f"reset()); call reset() to start a conversation with new {sorted(inputs)}, or prefill text only"
+            )
+        t = tokens.shape[1] if tokens.dim() == 2 else 0
+        args = [_check_input(i, inputs.get(i.name), self.spec.batch_size, t, name) for i in spec.inputs]
+        logits = self._run(program, tokens, name, args)
+        if spec.once:
+            self._filled.add(name)
+        return logits
+
+    def _pick(self, inputs: dict[str, torch.Tensor]) -> tuple[str, ProgramSpec, Program]:
+        given = set(inputs)
+        if not self._extra:
+            raise UsageError(
+                f"prefill got input(s) {sorted(given)}, but this artifact's programs take token ids only: it was "
+                "exported from a text-only model. Image features need an artifact of a vision decoder "
+                "(e.g. MllamaForCausalLM)"
+            )
+        for name, (spec, program) in self._extra.items():
+            names = {i.name for i in spec.inputs}
+            required = {i.name for i in spec.inputs if i.default is None}
+            if required <= given <= names:
+                return name, spec, program
+        accepted = "; ".join(f"{n}: {', '.join(i.describe() for i in s.inputs)}" for n, (s, _) in self._extra.items())
+        raise UsageError(f"prefill got input(s) {sorted(given)}; this artifact accepts {accepted}")
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         """Run one token ``[B, 1]``; returns logits ``[B, 1, V]``."""
@@ -64,7 +112,8 @@ class Session:
             raise UsageError(f"decode takes one token per row, shape [B, 1]; got {list(token.shape)}")
         return self._run(self._decode, token, "decode")
 
-    def _run(self, program: Program, tokens: torch.Tensor, what: str) -> torch.Tensor:
+    def _run(self, program: Program, tokens: torch.Tensor, what: str,
+             inputs: list[torch.Tensor] | None = None) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise UsageError(f"{what} takes integer token ids of shape [B, T]; got {tokens.dtype} {list(tokens.shape)}")
         b, t = tokens.shape
@@ -84,7 +133,7 @@ class Session:
                 f"max_seq_len={self.spec.max_seq_len}; reset(), rewind(), or export with a larger --max-seq-len"
             )
         input_pos = torch.arange(self._pos, end, dtype=torch.int64)  # [T] absolute positions
-        logits = program(tokens.to(torch.int64).contiguous(), input_pos, *self._state)
+        logits = program(tokens.to(torch.int64).contiguous(), input_pos, *(inputs or ()), *self._state)
         self._pos = end
         return logits
 
@@ -92,6 +141,7 @@ class Session:
         """Back to the declared initial state (position 0)."""
         self.spec.reset_(self._state)
         self._pos = 0
+        self._filled.clear()
 
     def rewind(self, n: int) -> None:
         """Forget the last ``n`` tokens. Their slots are masked by position and overwritten later."""
@@ -105,7 +155,7 @@ class Session:
         self._pos -= n
 
     def snapshot(self) -> Snapshot:
-        return Snapshot(self._pos, tuple(t.clone() for t in self._state))
+        return Snapshot(self._pos, tuple(t.clone() for t in self._state), frozenset(self._filled))
 
     def restore(self, snap: Snapshot) -> None:
         if len(snap.state) != len(self._state):
@@ -119,3 +169,30 @@ class Session:
         for dst, src in zip(self._state, snap.state, strict=True):
             dst.copy_(src)
         self._pos = snap.position
+        self._filled = set(snap.filled)
+
+
+def _check_input(spec: InputSpec, value: torch.Tensor | None, batch: int, t: int, program: str) -> torch.Tensor:
+    """The tensor to hand the program for one declared input: shape and dtype checked, masks cast."""
+    shape = spec.concrete(batch, t)
+    if value is None:  # optional (the Session picked this program only if every required input is there)
+        return torch.full(shape, spec.default, dtype=spec.torch_dtype)
+    if not isinstance(value, torch.Tensor):
+        raise UsageError(f"{program} input {spec.name} must be a torch.Tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise UsageError(
+            f"{program} input {spec.name} has shape {list(value.shape)}; this artifact expects {list(shape)} "
+            f"({spec.describe()}, B = batch {batch}, T = {t} prompt tokens). {spec.doc}".rstrip()
+        )
+    if spec.binary:
+        if value.dtype is not torch.bool and not bool(((value == 0) | (value == 1)).all()):
+            raise UsageError(f"{program} input {spec.name} must hold 0/1 values (1 = attend); found others")
+        return value.to(spec.torch_dtype).contiguous()
+    if value.dtype != spec.torch_dtype:
+        raise UsageError(
+            f"{program} input {spec.name} is {str(value.dtype).removeprefix('torch.')}; this artifact was exported "
+            f"for {spec.dtype}. Convert it with .to(torch.{spec.dtype})"
+        )
+    if not bool(torch.isfinite(value).all()):
+        raise UsageError(f"{program} input {spec.name} holds NaN or infinite values")
+    return value.contiguous()

@@ -301,13 +301,25 @@ def load_model(
 def _from_pretrained(path: Path, dtype: torch.dtype, **kw: Any) -> PreTrainedModel:
     from transformers import AutoModelForCausalLM
 
+    cls: Any = AutoModelForCausalLM
+    if _model_type(path) == "mllama_text_model":  # a saved MllamaForCausalLM: not in the auto mapping
+        from transformers import MllamaForCausalLM
+
+        cls = MllamaForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **kw)
+        model = cls.from_pretrained(path, dtype=dtype, local_files_only=True, **kw)
     except (OSError, ValueError, KeyError) as e:
         raise SourceError(
             f"transformers could not load a causal LM from {path} ({type(e).__name__}: {e}); check the files are complete"
         ) from e
     return model.eval().requires_grad_(False)
+
+
+def _model_type(path: Path) -> str | None:
+    try:
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # no readable config.json (e.g. a GGUF): let transformers explain
 
 
 def _tok_meta(hf_tok: Any, model: PreTrainedModel) -> dict:

@@ -1,7 +1,10 @@
 """verify: compare candidates against the eager model, step by step, logits AND cache contents.
 
-Every runner speaks one small protocol (``Runner``): reset, prefill, decode, and ``cache()`` —
-the valid part of every layer's K and V as ``[B, H_kv, P, D]``. The harness feeds the reference's
+Every runner speaks one small protocol (``Runner``): reset, prefill (token ids plus the named
+inputs of a prompt, e.g. a vision decoder's ``cross_attention_states``), decode, and ``cache()`` —
+the valid part of every layer's K and V: ``[B, H_kv, P, D]`` for self-attention layers,
+``[B, H_kv, N, D]`` for cross-attention layers holding N image tokens, None for a layer that holds
+nothing (a cross-attention layer in a text-only run, as eager leaves it). The harness feeds the reference's
 greedy token to every runner (teacher forcing), so one early error cannot hide later ones, and
 records per step: logits max abs / max rel error, top-1 agreement, and per layer the max abs
 error of K and V. Pass/fail uses the per-dtype tolerances of ``_tolerances``; a NaN anywhere fails.
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -25,25 +28,41 @@ import torch
 
 from kvtrace._tolerances import Tolerance, max_abs_diff, tolerance_for
 
-__all__ = ["EagerRunner", "JitRunner", "Runner", "SessionRunner", "StepRow", "VerifyReport", "verify"]
+__all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "VerifyReport", "verify"]
+
+LayerKV = tuple[torch.Tensor, torch.Tensor] | None  # (K, V) of one layer; None: the layer holds nothing
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids ``[B, T]`` (or ``[T]``) and the named prefill inputs that go with them (e.g. an image)."""
+
+    tokens: Any
+    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Runner(Protocol):
     name: str
 
     def reset(self) -> None: ...
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor: ...  # [B, T] -> [B, T, V]
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor: ...  # [B, T] -> [B, T, V]
     def decode(self, token: torch.Tensor) -> torch.Tensor: ...  # [B, 1] -> [B, 1, V]
-    def cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]: ...  # per layer ([B,H,P,D], [B,H,P,D])
+    def cache(self) -> list[LayerKV]: ...  # per layer ([B,H,P,D], [B,H,P,D]) or None
 
 
 class EagerRunner:
-    """The reference: the HF model called eagerly with a DynamicCache."""
+    """The reference: the HF model called eagerly with a DynamicCache.
+
+    For a vision decoder (MllamaForCausalLM) a prompt's ``cross_attention_states`` / 0-1
+    ``cross_attention_mask [B, T, N]`` become HF's kwargs, and every later token passes the mask row of
+    the prompt's last token again, as HF ``generate`` does.
+    """
 
     def __init__(self, model: torch.nn.Module, name: str = "eager", call: Any = None):
         self.name = name
         self.model = model
         self._call = call or model
+        self._n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
         self.reset()
 
     def reset(self) -> None:
@@ -51,20 +70,39 @@ class EagerRunner:
 
         self._cache = DynamicCache()
         self._mask: torch.Tensor | None = None
+        self._cross_row: torch.Tensor | None = None  # [B, 1, N] 0/1: what tokens after the image see
 
-    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+    def _step(self, tokens: torch.Tensor, cross: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        from kvtrace._mllama import hf_cross_kwargs
+
         new = torch.ones_like(tokens)
         self._mask = new if self._mask is None else torch.cat([self._mask, new], dim=1)
+        kwargs: dict[str, Any] = {}
+        if cross:
+            states = cross["cross_attention_states"]
+            m = cross.get("cross_attention_mask")
+            if m is None:
+                m = torch.ones(tokens.shape[0], tokens.shape[1], states.shape[1])
+            kwargs = {"cross_attention_states": states, **hf_cross_kwargs(m, states.dtype)}
+            self._cross_row = m[:, -1:]
+        elif self._cross_row is not None:
+            dtype = next(self.model.parameters()).dtype
+            kwargs = hf_cross_kwargs(self._cross_row.expand(-1, tokens.shape[1], -1), dtype)
         with torch.inference_mode():
             out = self._call(input_ids=tokens, attention_mask=self._mask, past_key_values=self._cache,
-                             use_cache=True, return_dict=True)
+                             use_cache=True, return_dict=True, **kwargs)
         return out.logits
 
-    prefill = _step
-    decode = _step
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        return self._step(tokens, inputs)
 
-    def cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.keys, layer.values) for layer in self._cache.layers]
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        return self._step(token)
+
+    def cache(self) -> list[LayerKV]:
+        layers = self._cache.layers
+        return [(layers[i].keys, layers[i].values) if i < len(layers) and layers[i].is_initialized else None
+                for i in range(self._n_layers)]
 
 
 class JitRunner(EagerRunner):
@@ -87,17 +125,27 @@ class SessionRunner:
     def reset(self) -> None:
         self.session.reset()
 
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.session.prefill(tokens)
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.session.prefill(tokens, **inputs)
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         return self.session.decode(token)
 
-    def cache(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def cache(self) -> list[LayerKV]:
+        """Self-attention layers: the first P positions; cross-attention layers: all N slots once a
+        program that fills them (e.g. prefill_image) ran, else None."""
+        from kvtrace._cache_spec import LayerKind
+
         p = self.session.position
         st = self.session.state
-        n = len(self.session.spec.layers)
-        return [(st[2 * i][:, :, :p], st[2 * i + 1][:, :, :p]) for i in range(n)]  # [B, H_kv, P, D]
+        out: list[LayerKV] = []
+        for i, layer in enumerate(self.session.spec.layers):
+            k, v = st[2 * i], st[2 * i + 1]  # [B, H_kv, S or N, D]
+            if layer.kind is LayerKind.CROSS:
+                out.append((k, v) if self.session.filled else None)
+            else:
+                out.append((k[:, :, :p], v[:, :, :p]))
+        return out
 
 
 @dataclass(frozen=True)
@@ -206,7 +254,20 @@ def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand
     if len(cand_cache) != len(ref_cache):
         len_ok = False
         cache_failures.append(f"cache has {len(cand_cache)} layers, eager {len(ref_cache)}")
-    for i, ((rk, rv), (ck, cv)) in enumerate(zip(ref_cache, cand_cache, strict=False)):
+    for i, (ref_kv, cand_kv) in enumerate(zip(ref_cache, cand_cache, strict=False)):
+        if ref_kv is None or cand_kv is None:
+            if ref_kv is cand_kv:  # both hold nothing (a skipped cross-attention layer)
+                ks.append(0.0)
+                vs.append(0.0)
+                continue
+            len_ok = False
+            held = f"holds K/V {list((cand_kv or ref_kv)[0].shape)}"
+            cache_failures.append(f"layer {i}: eager holds nothing, candidate {held}" if ref_kv is None
+                                  else f"layer {i}: eager {held}, candidate holds nothing")
+            ks.append(math.inf)
+            vs.append(math.inf)
+            continue
+        (rk, rv), (ck, cv) = ref_kv, cand_kv
         if ck.shape != rk.shape or cv.shape != rv.shape:
             len_ok = False
             cache_failures.append(f"layer {i} cache shape {list(ck.shape)} != eager {list(rk.shape)}")
@@ -248,18 +309,21 @@ def _describe(e: BaseException) -> str:
 def verify(
     reference: Runner,
     candidates: Sequence[Runner],
-    prompts: Sequence[Sequence[int] | torch.Tensor],
+    prompts: Sequence[Sequence[int] | torch.Tensor | Prompt],
     *,
     steps: int = 8,
     dtype: torch.dtype = torch.float32,
 ) -> VerifyReport:
-    """Run every prompt (reset before each) through reference and candidates; compare every step."""
+    """Run every prompt (reset before each) through reference and candidates; compare every step.
+
+    A ``Prompt`` carries named prefill inputs (e.g. image features) next to its token ids."""
     tol = tolerance_for(dtype)
     report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": str(tol)},
                           dtype=str(dtype).removeprefix("torch."))
     with torch.inference_mode():
         for p_idx, prompt in enumerate(prompts):
-            ids = torch.as_tensor(prompt, dtype=torch.int64)
+            inputs = dict(prompt.inputs) if isinstance(prompt, Prompt) else {}
+            ids = torch.as_tensor(prompt.tokens if isinstance(prompt, Prompt) else prompt, dtype=torch.int64)
             ids = ids.reshape(1, -1) if ids.dim() == 1 else ids  # [B, T]
             reference.reset()  # before every prompt, the first one included
             broken: dict[int, str] = {}  # candidate index -> why it is skipped for the rest of this prompt
@@ -268,7 +332,7 @@ def verify(
                     c.reset()
                 except Exception as e:
                     broken[c_idx] = f"reset() {_describe(e)}"
-            ref_logits = reference.prefill(ids)
+            ref_logits = reference.prefill(ids, **inputs)
             n_layers = len(reference.cache())
             pos = ids.shape[1]
             for s in range(steps + 1):
@@ -284,7 +348,7 @@ def verify(
                             broken[c_idx] = f"skipped: {broken[c_idx]} at step {step}"
                         continue
                     try:
-                        out = c.prefill(ids) if s == 0 else c.decode(tok)
+                        out = c.prefill(ids, **inputs) if s == 0 else c.decode(tok)
                         row = _compare(c.name, p_idx, step, pos, reference, c, ref_logits, out, tol)
                     except Exception as e:
                         row = _error_row(c.name, p_idx, step, pos, n_layers, _describe(e))
@@ -364,6 +428,21 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
         ids.append(tok.encode(text, add_special_tokens=not args.chat).ids)
     longest = max(len(i) for i in ids) + args.steps
     max_seq_len = max(args.max_seq_len, longest)
+    prompts: list[Prompt] = [Prompt(i) for i in ids]
+    image_tokens = None
+    if getattr(args, "image_features", None):
+        from kvtrace._mllama import is_mllama
+        from kvtrace._program_spec import read_inputs_file
+
+        if not is_mllama(lm.model.config):
+            raise UsageError(f"--image-features needs a vision decoder (MllamaForCausalLM); {args.source} is a "
+                             f"text-only {lm.model.config.model_type!r} model")
+        states = read_inputs_file(args.image_features).get("cross_attention_states")
+        if states is None or states.dim() != 3:
+            raise UsageError(f"--image-features {args.image_features} needs a tensor named cross_attention_states "
+                             "of shape [1, N, dim]")
+        image_tokens = states.shape[1]
+        prompts = [Prompt(i, {"cross_attention_states": states.to(dtype)}) for i in ids] + prompts
     cands: list[Runner] = []
     with tempfile.TemporaryDirectory(prefix="kvtrace-verify-") as tmp:
         for a in against:
@@ -372,9 +451,9 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
             else:
                 with step(f"exporting ({a})"):
                     path = export(lm.model, Path(tmp) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
-                                  backend=a)
+                                  backend=a, image_tokens=image_tokens)
                 cands.append(SessionRunner(load(path).session(), a))
         for f in args.artifact:
             cands.append(SessionRunner(load(f).session(), Path(f).name))
-        with step(f"verifying {len(cands)} candidate(s) on {len(ids)} prompts x (prefill + {args.steps} steps)"):
-            return verify(EagerRunner(lm.model), cands, ids, steps=args.steps, dtype=dtype)
+        with step(f"verifying {len(cands)} candidate(s) on {len(prompts)} prompts x (prefill + {args.steps} steps)"):
+            return verify(EagerRunner(lm.model), cands, prompts, steps=args.steps, dtype=dtype)

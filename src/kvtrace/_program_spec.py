@@ -1,0 +1,130 @@
+"""ProgramSpec: the declared signature of each program an artifact holds.
+
+Every program has the same spine — ``(tokens [B, T], input_pos [T], *inputs, *cache) -> logits [B, T, V]``
+— and differs only in its token count (``T`` symbolic in ``[1, max_seq_len]`` or fixed at 1), in the
+extra inputs it takes between ``input_pos`` and the cache (e.g. the image features of a vision
+decoder's prefill), and in whether it fills state that then stays until ``reset()``.
+
+Invariants (checked in ``__post_init__``):
+  * input names are unique and none is ``tokens`` or ``input_pos``;
+  * an input's shape holds ints (fixed sizes) and the symbols ``"B"`` (the batch) and ``"T"``
+    (the call's token count); dtypes name torch dtypes;
+  * every decoder has a ``"prefill"`` and a ``"decode"`` program (``DEFAULT_PROGRAMS``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtrace._errors import ArtifactError, UsageError
+
+__all__ = ["DEFAULT_PROGRAMS", "InputSpec", "ProgramSpec", "program_specs", "read_inputs_file"]
+
+SYMBOLS = ("B", "T")
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One non-cache input of a program, e.g. ``cross_attention_states [B, 6, 64] float32``."""
+
+    name: str
+    shape: tuple[int | str, ...]  # ints are fixed; "B" = batch, "T" = the call's token count
+    dtype: str  # torch dtype name without "torch."
+    doc: str = ""  # one line for error messages and `kvtrace run --help`
+    default: float | None = None  # None: required; else omitted means a tensor filled with this value
+    binary: bool = False  # a 0/1 mask: any dtype accepted (bool, int, float), cast to ``dtype``
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(self.shape))
+        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name in ("tokens", "input_pos"):
+            raise UsageError(f"program input name must be an identifier other than tokens/input_pos, got {self.name!r}")
+        for d in self.shape:
+            if not (d in SYMBOLS or (isinstance(d, int) and not isinstance(d, bool) and d >= 1)):
+                raise UsageError(f"input {self.name}: shape entries are ints >= 1 or one of {SYMBOLS}, got {d!r}")
+        if not isinstance(getattr(torch, str(self.dtype), None), torch.dtype):
+            raise UsageError(f"input {self.name}: dtype must name a torch dtype, got {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def concrete(self, batch: int, t: int) -> tuple[int, ...]:
+        return tuple(batch if d == "B" else t if d == "T" else int(d) for d in self.shape)
+
+    def describe(self) -> str:
+        return f"{self.name}[{', '.join(map(str, self.shape))}] {self.dtype}"
+
+
+@dataclass(frozen=True)
+class ProgramSpec:
+    """A program: ``method`` of the Decoder, captured with ``T`` symbolic (or 1 when ``single_token``)."""
+
+    name: str
+    method: str = "forward"
+    single_token: bool = False
+    inputs: tuple[InputSpec, ...] = field(default_factory=tuple)
+    # Fills state that stays until reset() (e.g. cross-attention K/V of an image): at most once per session.
+    once: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        names = [i.name for i in self.inputs]
+        if len(set(names)) != len(names):
+            raise UsageError(f"program {self.name}: input names must be unique, got {names}")
+
+    def signature(self) -> str:
+        t = "1" if self.single_token else "T"
+        extra = "".join(f", {i.describe()}" for i in self.inputs)
+        return f"(tokens[B,{t}] int64, input_pos[{t}] int64{extra}, *cache) -> logits[B,{t},V]"
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["inputs"] = [{**asdict(i), "shape": list(i.shape)} for i in self.inputs]
+        d["signature"] = self.signature()
+        return d
+
+    @classmethod
+    def from_dict(cls, name: str, d: Any) -> ProgramSpec:
+        if isinstance(d, str):  # artifacts written before programs had specs: name -> signature text
+            if name not in ("prefill", "decode"):
+                raise ArtifactError(f"program {name!r} has no spec in the manifest; re-export the artifact")
+            return ProgramSpec(name, single_token=name == "decode")
+        try:
+            inputs = tuple(InputSpec(**{**i, "shape": tuple(i["shape"])}) for i in d.get("inputs", ()))
+            rest = {k: v for k, v in d.items() if k not in ("inputs", "signature", "name")}
+            return cls(name=name, inputs=inputs, **rest)
+        except (KeyError, TypeError, UsageError) as e:
+            raise ArtifactError(f"program {name!r} in the manifest is malformed ({e}); re-export the artifact") from e
+
+
+DEFAULT_PROGRAMS = (ProgramSpec("prefill"), ProgramSpec("decode", single_token=True))
+
+
+def program_specs(decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
+    """The programs a Decoder declares (``decoder.programs``), else prefill + decode of ``forward``."""
+    specs = tuple(getattr(decoder, "programs", DEFAULT_PROGRAMS))
+    names = [p.name for p in specs]
+    if "prefill" not in names or "decode" not in names or len(set(names)) != len(names):
+        raise UsageError(f"a Decoder declares unique programs including 'prefill' and 'decode'; got {names}")
+    return specs
+
+
+def read_inputs_file(path: str | os.PathLike[str], what: str = "--image-features") -> dict[str, torch.Tensor]:
+    """Named program inputs from a ``.safetensors`` file (e.g. ``cross_attention_states``); no pickles."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not Path(path).is_file():
+        raise UsageError(f"{what} file {path} does not exist")
+    try:
+        tensors = load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise UsageError(f"{what} {path} is not a readable .safetensors file ({e})") from e
+    if not tensors:
+        raise UsageError(f"{what} {path} holds no tensors; expected e.g. cross_attention_states [1, N, dim]")
+    return tensors
