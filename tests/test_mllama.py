@@ -21,7 +21,7 @@ import kvtrace
 from conftest import IMAGE_TOKENS, MLLAMA_CROSS_LAYERS, TINY, image_features, tiny_mllama, tiny_model
 from kvtrace._errors import UsageError
 from kvtrace._tolerances import close, tolerance_for
-from kvtrace._verify import EagerRunner, Prompt, SessionRunner, verify
+from kvtrace._verify import EagerRunner, JitRunner, Prompt, SessionRunner, verify
 
 MAX_SEQ_LEN = 48
 P0 = [1, 5, 9, 17, 33, 64, 100]
@@ -106,6 +106,16 @@ def test_verify_exported_and_aoti_against_eager(model, artifact):
     assert len(report.rows) == 3 * (STEPS + 1)
     assert all(r.token_agree for r in report.rows), summary(report)
     assert all(len(r.k_max_abs) == 4 for r in report.rows)
+
+
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.compile)])
+def test_verify_jit_against_eager(model, backend):
+    """HF-style calls (DynamicCache with self + cross layers) through kvtrace.jit, same scenario."""
+    runner = JitRunner(model, backend=backend)
+    report = verify(EagerRunner(model), [runner], scenario(), steps=STEPS)
+    assert report.passed, summary(report)
+    # image prefill + decode, text-only prefill + decode; prompt 2 reuses the image programs
+    assert runner.jm.stats.captures == 4 and runner.jm.stats.calls == 3 * (STEPS + 1)
 
 
 def test_runner_caches_hold_cross_kv_only_with_an_image(model, artifact):

@@ -2,12 +2,22 @@
 
 A captured program never sees an HF cache object from the caller. It sees tensors:
 
-* DynamicCache state: ``[k0, v0, k1, v1, ...]``, each ``[B, H_kv, P, D]`` (P = past length,
-  symbolic). Inside the trace a *new* DynamicCache is built around those tensors; the program
-  returns the grown tensors ``[B, H_kv, P + T, D]`` and the epilogue stores them in the caller's object.
+* DynamicCache state: ``[k_i, v_i, ...]`` for the *held* layers ``i`` in layer order (see ``held_layers``):
+  every self-attention layer once the cache holds P >= 1 past tokens, each ``[B, H_kv, P, D]`` (P symbolic,
+  one P for all of them), and every cross-attention layer that holds image tokens, ``[B, H_kv, N_c, D]``
+  (N_c symbolic). Inside the trace a *new* DynamicCache is built around those tensors (the other layers
+  stay uninitialized, as in the caller's cache). The program returns the K/V of the layers the call
+  *writes* (``written_layers``): self layers grown to ``[B, H_kv, P + T, D]``, and cross layers
+  ``[B, H_kv, N_c + N, D]`` only when the call brings new image features (``cross_attention_states``
+  ``[B, N, hidden]``); without them cross layers are only read and are not returned. The epilogue stores
+  the returned tensors in the caller's object, creating layers the way ``DynamicCache.update`` does.
+* The layer pattern (``layer_pattern``): one state per model layer, ``"self"``, ``"cross-filled"``
+  (a cross-attention layer holding image tokens) or ``"cross-empty"`` (not initialized, or not even
+  created). It is graph structure, part of a program's key; lengths never are. Decoder-only models
+  have only ``"self"`` layers, and the state is ``[k0, v0, k1, v1, ...]``.
 * StaticCache state: ``[k0, v0, n0, k1, v1, n1, ...]`` with k/v ``[B, H_kv, S_max, D]`` and ``n`` the
   0-d int64 ``cumulative_length``. The program mutates them in place (declared input mutations),
-  exactly as eager StaticCache does.
+  exactly as eager StaticCache does. Not supported for models with cross-attention layers.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 import copy
 import enum
 import inspect
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -34,14 +45,30 @@ class CacheKind(enum.StrEnum):
     STATIC = "static"  # StaticCache (initialized or not)
 
 
+# Per-layer cache states (a program's layer pattern).
+SELF = "self"  # self-attention layer: holds P past tokens (DYNAMIC) or nothing yet (DYNAMIC_FRESH)
+CROSS_FILLED = "cross-filled"  # cross-attention layer holding the K/V of N_c image tokens
+CROSS_EMPTY = "cross-empty"  # cross-attention layer without image tokens (uninitialized or not created)
+
+
 def cache_kwarg_name(model: torch.nn.Module) -> str:
     """transformers 5.x calls the argument ``cache``; 4.x called it ``past_key_values``."""
     params = inspect.signature(model.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
-def classify(cache: Any) -> CacheKind:
-    """Which kind of cache the caller passed; a clear error for anything unsupported."""
+def cross_layers(config: Any) -> tuple[int, ...]:
+    """Indices of the cross-attention layers of a decoder (Mllama's text model); () for decoder-only models."""
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return tuple(sorted(getattr(cfg, "cross_attention_layers", None) or ()))
+
+
+def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
+    """Which kind of cache the caller passed; a clear error for anything unsupported.
+
+    ``cross``: the model's cross-attention layer indices. The kind is decided by the self-attention layers
+    (all filled with one length, or none); cross layers may hold image tokens or not (see ``layer_pattern``).
+    """
     from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache, StaticLayer
 
     if cache is None:
@@ -55,19 +82,27 @@ def classify(cache: Any) -> CacheKind:
                 f"DynamicCache with layer types {sorted(set(bad))} is not supported (e.g. sliding-window); "
                 f"kvtrace supports {SUPPORTED}. Pass fallback='eager' to run such calls uncompiled."
             )
-        filled = [layer.is_initialized for layer in cache.layers]
+        _check_cross_layers(cache, cross)
+        what = "self-attention layers" if cross else "layers"
+        own = [layer for i, layer in enumerate(cache.layers) if i not in cross]
+        filled = [layer.is_initialized for layer in own]
         if not any(filled):
             return CacheKind.DYNAMIC_FRESH
         if not all(filled):
             raise UsageError(
-                f"DynamicCache is partly filled: {sum(filled)} of {len(filled)} layers hold tensors; "
+                f"DynamicCache is partly filled: {sum(filled)} of {len(filled)} {what} hold tensors; "
                 "expected all or none. Pass a fresh DynamicCache() or the one returned by the previous call."
             )
-        lengths = {layer.keys.shape[-2] for layer in cache.layers}
+        lengths = {layer.keys.shape[-2] for layer in own}
         if len(lengths) != 1:
-            raise UsageError(f"DynamicCache layers hold different lengths {sorted(lengths)}; expected one length")
+            raise UsageError(f"DynamicCache {what} hold different lengths {sorted(lengths)}; expected one length")
         return CacheKind.DYNAMIC
     if type(cache) is StaticCache:
+        if cross:
+            raise UnsupportedError(
+                f"a StaticCache for a model with cross-attention layers {list(cross)} is not supported; pass a "
+                "DynamicCache (or no cache). Pass fallback='eager' to run such calls uncompiled."
+            )
         bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer]
         if bad:
             raise UnsupportedError(
@@ -78,6 +113,55 @@ def classify(cache: Any) -> CacheKind:
     raise UnsupportedError(f"cache of type {type(cache).__name__} is not supported; kvtrace supports {SUPPORTED}")
 
 
+def _holds_image(cache: Any, i: int) -> bool:
+    """Whether layer ``i`` holds image K/V: HF's own test (``_has_cached_cross_attention_states``)."""
+    if cache is None or i >= len(cache.layers):
+        return False
+    layer = cache.layers[i]
+    return bool(layer.is_initialized and layer.keys.numel() > 0)
+
+
+def _check_cross_layers(cache: Any, cross: Collection[int]) -> None:
+    """Cross layers hold image tokens all together (with one length) or not at all, as eager leaves them."""
+    filled = [i for i in sorted(cross) if _holds_image(cache, i)]
+    if not filled:
+        return
+    empty = [i for i in sorted(cross) if i not in filled]
+    if empty:
+        raise UsageError(
+            f"DynamicCache cross-attention layers {filled} hold image tokens but {empty} do not; expected all "
+            "or none. Pass a fresh DynamicCache() or the one returned by the previous call."
+        )
+    lengths = {cache.layers[i].keys.shape[-2] for i in filled}
+    if len(lengths) != 1:
+        raise UsageError(
+            f"DynamicCache cross-attention layers hold different numbers of image tokens {sorted(lengths)}; "
+            "expected one"
+        )
+
+
+def layer_pattern(cache: Any, n_layers: int, cross: Collection[int]) -> tuple[str, ...]:
+    """Per model layer: ``SELF``, ``CROSS_FILLED`` or ``CROSS_EMPTY`` (a layer the cache lacks counts as empty)."""
+    return tuple(SELF if i not in cross else CROSS_FILLED if _holds_image(cache, i) else CROSS_EMPTY
+                 for i in range(n_layers))
+
+
+def held_layers(kind: CacheKind, pattern: tuple[str, ...]) -> tuple[int, ...]:
+    """Layers whose K/V are program inputs: self layers of a filled cache, cross layers holding image tokens."""
+    if kind not in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+        return ()
+    return tuple(i for i, s in enumerate(pattern)
+                 if s == CROSS_FILLED or (s == SELF and kind is CacheKind.DYNAMIC))
+
+
+def written_layers(kind: CacheKind, pattern: tuple[str, ...], image: bool) -> tuple[int, ...]:
+    """Layers whose K/V a program returns: every self layer (it grows by T); cross layers only when the call
+    brings new image features (``image``), which eager appends to them; otherwise they are only read."""
+    if kind not in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+        return ()
+    return tuple(i for i, s in enumerate(pattern) if s == SELF or image)
+
+
 def new_dynamic_cache(config: Any) -> Any:
     from transformers.cache_utils import DynamicCache
 
@@ -85,23 +169,29 @@ def new_dynamic_cache(config: Any) -> Any:
 
 
 # --- DynamicCache -------------------------------------------------------------------------------
-def dynamic_state(cache: Any) -> list[torch.Tensor]:
-    """Caller's filled DynamicCache -> [k0, v0, k1, v1, ...] (the caller's own tensors, not copies)."""
+def dynamic_state(cache: Any, layers: Collection[int] | None = None) -> list[torch.Tensor]:
+    """A DynamicCache -> ``[k_i, v_i, ...]`` for ``layers`` (default: all), the cache's own tensors, not copies.
+
+    Used on the caller's cache (the held layers) and, inside the trace, on the new one (the written layers).
+    """
     out: list[torch.Tensor] = []
-    for layer in cache.layers:
-        out += [layer.keys, layer.values]
+    for i, layer in enumerate(cache.layers):
+        if layers is None or i in layers:
+            out += [layer.keys, layer.values]  # [B, H_kv, S, D]
     return out
 
 
-def build_dynamic(state: list[torch.Tensor] | None, n_layers: int) -> Any:
-    """Inside the trace: a new DynamicCache around ``state`` (no copy), or an empty one."""
+def build_dynamic(state: list[torch.Tensor], n_layers: int, held: Collection[int] = ()) -> Any:
+    """Inside the trace: a new DynamicCache of ``n_layers`` layers; the ``held`` ones wrap ``state`` (no copy),
+    the others stay uninitialized (a fresh self layer, a cross layer without image tokens)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
 
+    pairs = iter(zip(state[0::2], state[1::2], strict=True))
     layers = []
     for i in range(n_layers):
         layer = DynamicLayer()
-        if state is not None:
-            k, v = state[2 * i], state[2 * i + 1]  # [B, H_kv, P, D]
+        if i in held:
+            k, v = next(pairs)  # [B, H_kv, P, D] (self) or [B, H_kv, N_c, D] (cross)
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
         layers.append(layer)
@@ -111,15 +201,18 @@ def build_dynamic(state: list[torch.Tensor] | None, n_layers: int) -> Any:
     return cache
 
 
-def write_back_dynamic(cache: Any, new_state: list[torch.Tensor]) -> None:
-    """Epilogue: the caller's DynamicCache now holds what eager would (grown tensors, same object)."""
-    n = len(new_state) // 2
-    for i in range(n):
-        k, v = new_state[2 * i], new_state[2 * i + 1]  # [B, H_kv, P + T, D]
+def write_back_dynamic(cache: Any, new_state: Mapping[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Epilogue: the caller's DynamicCache now holds what eager would (new tensors, same object).
+
+    ``new_state``: layer index -> (keys, values) ``[B, H_kv, S, D]`` for the layers the call wrote, and only
+    those; the other layers are left as they are (read-only cross layers, skipped ones).
+    """
+    for i in sorted(new_state):
+        k, v = new_state[i]
         if i < len(cache.layers) and cache.layers[i].is_initialized:
             cache.layers[i].keys, cache.layers[i].values = k, v
-        else:
-            cache.update(k, v, i)  # fresh layer: HF's own lazy init (one copy, at prefill only)
+        else:  # fresh or not yet created: HF's own lazy init and layer creation (one copy, at prefill only)
+            cache.update(k, v, i)
 
 
 # --- StaticCache --------------------------------------------------------------------------------

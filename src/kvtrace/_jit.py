@@ -1,16 +1,22 @@
 """kvtrace.jit: compile HF decoder calls that carry a KV cache, in three small stages.
 
-1. prologue  — read the call (which kwargs, which cache, dtypes, batch) into a frozen ``CallKey``;
-               validate it; pick a captured program by that key. Lengths and positions are never
-               part of the key.
+1. prologue  — read the call (which kwargs, which cache, which cache layers are filled, dtypes,
+               batch) into a frozen ``CallKey``; validate it; pick a captured program by that key.
+               Lengths and positions are never part of the key.
 2. computation — the captured program: a pure function of tensors
-               ``(inputs..., cache state...) -> (logits, new cache state...)`` exported with
+               ``(inputs..., held cache state...) -> (logits, written cache state...)`` exported with
                torch.export on *synthetic* example tensors (the caller's objects are never traced)
-               with symbolic sequence and past lengths, run uncompiled (``backend="eager"``) or
-               compiled ahead of time by AOTInductor (``backend="inductor"``: no guards, so no
-               recompiles).
+               with symbolic lengths (new tokens T, past P, image tokens N and N_c), run uncompiled
+               (``backend="eager"``) or compiled ahead of time by AOTInductor (``backend="inductor"``:
+               no guards, so no recompiles).
 3. epilogue  — write the new cache tensors back into the caller's own cache object and build the
                HF-style output (same object returned as ``out.past_key_values``).
+
+Models with cross-attention layers (Mllama's text decoder, ``MllamaForCausalLM``) also take
+``cross_attention_states`` [B, N, hidden] (image features), ``cross_attention_mask`` [B, 1, T, X] (the
+prepared additive mask over the X image tokens the cross layers attend) and
+``full_text_row_masked_out_mask`` [B, 1, T, 1]. Their cache layers are not all alike: the key holds the
+layer pattern (see ``_hf_cache``), and a program only takes and returns the layers it reads and writes.
 """
 
 from __future__ import annotations
@@ -39,8 +45,20 @@ BACKENDS = ("inductor", "eager")
 # Tensor inputs a call may carry, in program-signature order, with their sequence dimension.
 _SEQ_DIM = {"input_ids": 1, "inputs_embeds": 1, "attention_mask": 1, "position_ids": -1, "cache_position": 0}
 _FLAGS = ("use_cache", "return_dict", "logits_to_keep")
-# Example sizes used for capture: >= 2 and pairwise distinct, so no length is specialised or unified.
-_T_EX, _P_EX = 3, 5
+# Cross-attention inputs (models that take them), after the _SEQ_DIM ones in program order: their shapes.
+# T = new tokens, N = new image tokens, X = image tokens the cross layers attend (N_c cached + N new).
+_CROSS = {
+    "cross_attention_states": "[B, N, hidden]",
+    "cross_attention_mask": "[B, 1, T, X]",
+    "full_text_row_masked_out_mask": "[B, 1, T, 1]",
+}
+# Example sizes used for capture: >= 2 and pairwise distinct (also the sums P + T and N_c + N), so no
+# length is specialised or unified: T new tokens, P past tokens, N new and N_c cached image tokens.
+_T_EX, _P_EX, _N_EX, _NC_EX = 3, 5, 7, 11
+# T of an unmasked causal cross-attention program: above N_c + N. HF's sdpa path slices the image keys to
+# key[:, :, :T] when there are more of them than tokens; under its top-left causal mask that changes nothing,
+# but a compiled slice assumes the example's side of N > T. Captured with T > N, the graph has no slice.
+_T_CAUSAL_EX = 19
 
 
 @dataclass
@@ -66,6 +84,11 @@ class CallKey:
     model_dtype: str
     static_len: int | None  # StaticCache max_cache_len (a static shape), else None
     logits_to_keep: int
+    layers: tuple[str, ...] = ()  # per model layer: "self", "cross-filled" or "cross-empty" (_hf_cache)
+    # Cross layers attending without a cross_attention_mask: HF's sdpa path is then a different graph for one
+    # new token (it attends every image token) and for more (is_causal=True). "one-token" (a program with
+    # T fixed at 1) or "causal"; "" when a mask is given or no cross layer runs.
+    unmasked_cross: str = ""
     pinned: tuple[tuple[int, int, int], ...] = ()  # (arg, dim, size) a capture could not keep symbolic
 
 
@@ -79,6 +102,17 @@ class _Call:
     return_dict: bool
     past_len: int
     weights: tuple[int, ...]  # which tensors the model computes with (see _weights)
+    cross_len: int = 0  # N_c: image tokens the cache's cross-attention layers hold (0: none)
+
+
+def _held(key: CallKey) -> tuple[int, ...]:
+    """Cache layers whose K/V the program takes, after the inputs."""
+    return hfc.held_layers(key.cache, key.layers)
+
+
+def _written(key: CallKey) -> tuple[int, ...]:
+    """Cache layers whose K/V the program returns, after the logits."""
+    return hfc.written_layers(key.cache, key.layers, "cross_attention_states" in key.inputs)
 
 
 class _Step(torch.nn.Module):
@@ -102,12 +136,13 @@ class _Step(torch.nn.Module):
         elif kind is CacheKind.STATIC:
             cache = hfc.build_static(self.template, state)
         else:
-            cache = hfc.build_dynamic(state if kind is CacheKind.DYNAMIC else None, self.n_layers)
+            cache = hfc.build_dynamic(state, self.n_layers, _held(self.key))
         if self.key.logits_to_keep:
             kwargs["logits_to_keep"] = self.key.logits_to_keep
         out = self.model(**kwargs, **{self.cache_kw: cache}, use_cache=kind is not CacheKind.NONE, return_dict=True)
         if kind in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
-            return (out.logits, *hfc.dynamic_state(cache))  # grown state [B, H_kv, P + T, D]
+            # written state: self layers [B, H_kv, P + T, D]; cross layers [B, H_kv, N_c + N, D] when given images
+            return (out.logits, *hfc.dynamic_state(cache, _written(self.key)))
         return (out.logits,)  # static state was mutated in place (declared input mutation)
 
 
@@ -131,6 +166,8 @@ class JittedModel:
         self._cache_kw = hfc.cache_kwarg_name(model)
         self._signature = inspect.signature(model.forward)
         self._n_layers, self._n_kv, self._head_dim = hfc.kv_geometry(model.config)
+        self._cross = hfc.cross_layers(model.config)  # cross-attention layer indices; () for decoder-only models
+        self._cross_inputs = tuple(n for n in _CROSS if n in self._signature.parameters)
         self._warned = False
         self._pins: dict[CallKey, list[tuple[int, int]]] = {}  # dims a capture could not keep symbolic
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
@@ -183,12 +220,13 @@ class JittedModel:
             raise UsageError(f"{type(self.model).__name__}.forward does not take these arguments: {e}") from e
         extra = bound.pop("kwargs", {}) or {}
         bound.update(extra)
-        unknown = sorted(k for k, v in bound.items() if v is not None and k not in (*_SEQ_DIM, *_FLAGS, self._cache_kw)
+        supported = (*_SEQ_DIM, *self._cross_inputs, *_FLAGS)
+        unknown = sorted(k for k, v in bound.items() if v is not None and k not in (*supported, self._cache_kw)
                          and not (k in ("output_attentions", "output_hidden_states") and v is False))
         if unknown:
             raise UnsupportedError(
                 f"kvtrace.jit does not support the argument(s) {unknown}; supported: "
-                f"{sorted((*_SEQ_DIM, *_FLAGS, 'past_key_values'))}"
+                f"{sorted((*supported, 'past_key_values'))}"
             )
         if (bound.get("input_ids") is None) == (bound.get("inputs_embeds") is None):
             raise UsageError("pass exactly one of input_ids or inputs_embeds")
@@ -202,9 +240,10 @@ class JittedModel:
             cache = hfc.new_dynamic_cache(cfg)  # what eager does
         if cache is not None and not use_cache:
             raise UnsupportedError("a cache together with use_cache=False is not supported; drop one of them")
-        kind = hfc.classify(cache)
+        kind = hfc.classify(cache, self._cross)
+        layers = hfc.layer_pattern(cache, self._n_layers, self._cross)
 
-        names = tuple(n for n in _SEQ_DIM if bound.get(n) is not None)
+        names = tuple(n for n in (*_SEQ_DIM, *self._cross_inputs) if bound.get(n) is not None)
         tensors = [bound[n] for n in names]
         for n, t in zip(names, tensors, strict=True):
             if not isinstance(t, torch.Tensor):
@@ -214,15 +253,20 @@ class JittedModel:
         if t_len < 1:
             raise UsageError(f"{names[0]} has 0 tokens; expected at least 1")
         past = 0
+        cross_len = 0
         static_len = None
         cache_dtype = ""
-        if kind is CacheKind.DYNAMIC:
-            k0 = cache.layers[0].keys  # [B, H_kv, P, D]
-            past, cache_dtype = k0.shape[-2], str(k0.dtype)
-            if k0.shape[0] != batch:
-                raise UsageError(f"cache holds batch {k0.shape[0]} but the inputs have batch {batch}")
-            if len(cache.layers) != self._n_layers:
-                raise UsageError(f"cache has {len(cache.layers)} layers, the model has {self._n_layers}")
+        if kind in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+            self._check_dynamic_layers(cache, kind)
+            held = hfc.held_layers(kind, layers)
+            for i in held:
+                k = cache.layers[i].keys  # [B, H_kv, P, D] (self) or [B, H_kv, N_c, D] (cross)
+                if k.shape[0] != batch:
+                    raise UsageError(f"cache holds batch {k.shape[0]} but the inputs have batch {batch}")
+            if held:
+                cache_dtype = str(cache.layers[held[0]].keys.dtype)
+            past = next((cache.layers[i].keys.shape[-2] for i in held if layers[i] == hfc.SELF), 0)
+            cross_len = next((cache.layers[i].keys.shape[-2] for i in held if layers[i] == hfc.CROSS_FILLED), 0)
         elif kind is CacheKind.STATIC:
             static_len = hfc.static_max_len(cache)
             layer0 = cache.layers[0]
@@ -247,6 +291,9 @@ class JittedModel:
         keep = bound.get("logits_to_keep") or 0
         if not isinstance(keep, int):
             raise UnsupportedError("logits_to_keep must be an int for kvtrace.jit")
+        given = dict(zip(names, tensors, strict=True))
+        image = _image_tokens(given, cross_len)
+        _check_cross_inputs(given, batch, t_len, self._hidden_size(), image)
         model_dtype, weights = self._weights()
         key = CallKey(
             cache=kind,
@@ -257,10 +304,25 @@ class JittedModel:
             model_dtype=model_dtype,
             static_len=static_len,
             logits_to_keep=keep,
+            layers=layers,
+            unmasked_cross=_unmasked_cross(given, image, t_len),
         )
         key = self._pinned_key(key, tensors)
         return _Call(key=key, tensors=tensors, cache=cache, return_dict=bool(return_dict), past_len=past,
-                     weights=weights)
+                     weights=weights, cross_len=cross_len)
+
+    def _check_dynamic_layers(self, cache: Any, kind: CacheKind) -> None:
+        """A filled DynamicCache has a layer per model layer; only trailing cross layers may not exist yet
+        (eager creates layers lazily and skips cross layers without image tokens)."""
+        n = len(cache.layers)
+        missing = [i for i in range(n, self._n_layers) if i not in self._cross]
+        if kind is CacheKind.DYNAMIC and (n > self._n_layers or missing):
+            raise UsageError(f"cache has {n} layers, the model has {self._n_layers}")
+
+    def _hidden_size(self) -> int:
+        cfg = self.model.config
+        cfg = cfg.get_text_config(decoder=True) if hasattr(cfg, "get_text_config") else cfg
+        return int(cfg.hidden_size)
 
     def _weights(self) -> tuple[str, tuple[int, ...]]:
         """(the parameters' dtypes, a token of which tensors the model computes with).
@@ -304,8 +366,8 @@ class JittedModel:
         prologue checked it is contiguous).
         """
         args = [t.contiguous() for t in call.tensors]
-        if call.key.cache is CacheKind.DYNAMIC:
-            args += [t.contiguous() for t in hfc.dynamic_state(call.cache)]
+        if call.key.cache in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+            args += [t.contiguous() for t in hfc.dynamic_state(call.cache, _held(call.key))]
         elif call.key.cache is CacheKind.STATIC:
             args += hfc.static_state(call.cache)
         return args
@@ -317,12 +379,23 @@ class JittedModel:
 
         key = call.key
         t_ex = call.tensors[0].shape[1] if exact else _T_EX
+        if key.unmasked_cross == "one-token":  # T = 1 is this program's graph, not a length: keep it static
+            t_ex = 1
+        elif key.unmasked_cross == "causal" and not exact:
+            t_ex = _T_CAUSAL_EX
         p_ex = call.past_len if exact else (0 if key.cache is CacheKind.DYNAMIC_FRESH else _P_EX)
+        nc_ex = call.cross_len if exact else (_NC_EX if hfc.CROSS_FILLED in key.layers else 0)
         if key.static_len is not None:
             p_ex = min(p_ex, max(key.static_len - t_ex, 0))
+        n_ex, x_ex = _image_examples(call, exact, nc_ex)
         examples: list[torch.Tensor] = []
         shapes: list[Any] = []
         for name, t in zip(key.inputs, call.tensors, strict=True):
+            if name in _CROSS:
+                ex, spec = _cross_example(name, t, t_ex, n_ex, x_ex)
+                examples.append(ex)
+                shapes.append({d: dim for d, dim in spec.items() if ex.shape[d] != 1 or exact})  # 1: as below
+                continue
             dim = _SEQ_DIM[name] % t.dim()
             size = list(t.shape)
             size[dim] = p_ex + t_ex if name == "attention_mask" else t_ex
@@ -333,13 +406,13 @@ class JittedModel:
             else:
                 ex = torch.zeros(size, dtype=t.dtype, device=t.device)
             examples.append(ex)
-            shapes.append({dim: Dim.AUTO})
-        if key.cache is CacheKind.DYNAMIC:
-            k0 = call.cache.layers[0].keys
-            shape = (key.batch, k0.shape[1], p_ex, k0.shape[3])  # [B, H_kv, P, D]
-            for _ in range(2 * self._n_layers):
-                examples.append(torch.zeros(shape, dtype=k0.dtype, device=k0.device))
-                shapes.append({2: Dim.AUTO})
+            shapes.append({dim: Dim.AUTO} if size[dim] != 1 or exact else {})  # 1: a one-token program's T
+        if key.cache in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+            for i in _held(key):
+                k = call.cache.layers[i].keys  # [B, H_kv, P, D] (self) or [B, H_kv, N_c, D] (cross)
+                shape = (key.batch, k.shape[1], nc_ex if key.layers[i] == hfc.CROSS_FILLED else p_ex, k.shape[3])
+                examples += [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(2)]
+                shapes += [{2: Dim.AUTO}, {2: Dim.AUTO}]
         elif key.cache is CacheKind.STATIC:
             dtype = self._cache_dtype(call)
             shape = (key.batch, self._n_kv, key.static_len, self._head_dim)  # [B, H_kv, S_max, D]
@@ -415,8 +488,73 @@ class JittedModel:
         outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
         logits = outs[0]
         if call.key.cache in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
-            hfc.write_back_dynamic(call.cache, outs[1:])
+            written = _written(call.key)
+            hfc.write_back_dynamic(call.cache, {i: (outs[1 + 2 * j], outs[2 + 2 * j]) for j, i in enumerate(written)})
         return hfc.make_output(self.model, logits, call.cache, call.return_dict)
+
+
+def _image_tokens(given: dict[str, torch.Tensor], cross_len: int) -> int | None:
+    """X: image tokens the cross-attention layers attend in this call (the N_c cached plus the N given);
+    None when they do not run (no image features given, none cached): eager skips them."""
+    states = given.get("cross_attention_states")  # [B, N, hidden]
+    if states is None and not cross_len:
+        return None
+    return cross_len + (states.shape[1] if states is not None and states.dim() == 3 else 0)
+
+
+def _unmasked_cross(given: dict[str, torch.Tensor], image: int | None, t_len: int) -> str:
+    """CallKey.unmasked_cross: which graph cross layers attending without a mask take (see CallKey)."""
+    if image is None or "cross_attention_mask" in given:
+        return ""
+    return "one-token" if t_len == 1 else "causal"
+
+
+def _check_cross_inputs(given: dict[str, torch.Tensor], batch: int, t_len: int, hidden: int,
+                        image: int | None) -> None:
+    """Shapes of the cross-attention inputs against the call (before any tracing)."""
+    states = given.get("cross_attention_states")
+    if states is not None and (states.dim() != 3 or states.shape[0] != batch or states.shape[1] < 1
+                               or states.shape[2] != hidden):
+        raise UsageError(
+            f"cross_attention_states has shape {list(states.shape)}; expected [B, N, hidden] = [{batch}, N >= 1, "
+            f"{hidden}] (batch of the inputs, the text model's hidden_size {hidden})"
+        )
+    x = "X" if image is None else image
+    for name, want in (("cross_attention_mask", [batch, 1, t_len, x]),
+                       ("full_text_row_masked_out_mask", [batch, 1, t_len, 1])):
+        t = given.get(name)
+        if t is None:
+            continue
+        found = list(t.shape)
+        if len(found) != 4 or any(w != "X" and f != w for f, w in zip(found, want, strict=True)):
+            raise UsageError(
+                f"{name} has shape {found}; expected {_CROSS[name]} = {want} (T = {t_len} new tokens"
+                + ("" if image is None else f", X = {image} image tokens the cross-attention layers attend")
+                + "): the prepared 4D mask, as MllamaForConditionalGeneration passes it"
+            )
+
+
+def _image_examples(call: _Call, exact: bool, nc_ex: int) -> tuple[int, int]:
+    """Example sizes (N, X): new image tokens, and image tokens the cross layers attend (N_c + N)."""
+    given = dict(zip(call.key.inputs, call.tensors, strict=True))
+    states = given.get("cross_attention_states")  # [B, N, hidden]
+    n_ex = 0 if states is None else states.shape[1] if exact else _N_EX
+    mask = given.get("cross_attention_mask")  # [B, 1, T, X]
+    if exact and mask is not None:
+        return n_ex, mask.shape[3]
+    return n_ex, (nc_ex + n_ex) or _N_EX  # a mask no cross layer reads (text-only call) still needs a size
+
+
+def _cross_example(name: str, t: torch.Tensor, t_ex: int, n_ex: int, x_ex: int) -> tuple[torch.Tensor, dict[int, Any]]:
+    """A synthetic cross-attention input like ``t`` and its dynamic dims (see ``_CROSS``)."""
+    from torch.export import Dim
+
+    b, kw = t.shape[0], dict(dtype=t.dtype, device=t.device)
+    if name == "cross_attention_states":  # [B, N, hidden]
+        return torch.zeros(b, n_ex, t.shape[2], **kw), {1: Dim.AUTO}
+    if name == "cross_attention_mask":  # [B, 1, T, X], additive: 0 = attend
+        return torch.zeros(b, 1, t_ex, x_ex, **kw), {2: Dim.AUTO, 3: Dim.AUTO}
+    return torch.ones(b, 1, t_ex, 1, **kw), {2: Dim.AUTO}  # full_text_row_masked_out_mask [B, 1, T, 1]
 
 
 def _weights_token(modules: list[torch.nn.Module]) -> tuple[str, tuple[int, ...]]:
@@ -441,7 +579,9 @@ def jit(model: torch.nn.Module, *, backend: str = "inductor", fallback: str | No
     """Compile ``model.forward`` for HF-style calls with a KV cache.
 
     Args:
-        model: an HF decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, Phi-3, ...), in eval mode.
+        model: an HF decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, Phi-3, ...) or Mllama's text
+            decoder (``MllamaForCausalLM``, with ``cross_attention_states`` / ``cross_attention_mask`` /
+            ``full_text_row_masked_out_mask``), in eval mode.
         backend: ``"inductor"`` (AOTInductor-compiled programs) or ``"eager"`` (captured programs
             run uncompiled; fast to capture, useful for debugging).
         fallback: ``None`` (unsupported calls raise ``UnsupportedError``) or ``"eager"`` (they run
