@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from kvtrace._artifact import BACKENDS, Manifest, ModelInfo, dedupe_weights, write_artifact
+from kvtrace._artifact import BACKENDS, PACKED_MODEL, Manifest, ModelInfo, dedupe_weights, write_artifact
 from kvtrace._errors import CaptureError, KvtraceError, UsageError
 from kvtrace._program_spec import InputSpec, program_specs
 
@@ -38,7 +38,6 @@ def capture_programs(decoder: torch.nn.Module) -> dict[str, torch.export.Exporte
     from torch.export import Dim
 
     spec = decoder.cache_spec
-    t_dim = Dim("T", min=1, max=spec.max_seq_len)
     eps = {}
     for p in program_specs(decoder):
         # example length >= 2 keeps T symbolic; a one-slot cache has nothing to be symbolic about
@@ -47,7 +46,7 @@ def capture_programs(decoder: torch.nn.Module) -> dict[str, torch.export.Exporte
         args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t),
                 *(_example_input(i, spec.batch_size, t) for i in p.inputs), *spec.allocate())
         method = _method_module(decoder, p.method)
-        shapes = _dynamic_shapes(method, args, p.inputs, t_dim) if t > 1 else None
+        shapes = _dynamic_shapes(method, args, p.inputs, Dim("T", min=1, max=spec.max_seq_len)) if t > 1 else None
         with torch.no_grad():
             eps[p.name] = torch.export.export(method, args, dynamic_shapes=shapes, strict=False)
     return eps
@@ -130,10 +129,14 @@ def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
 
     from kvtrace._compile import inductor_options
 
+    packed = backend == "aoti-packed"
+    if packed:  # one program, T symbolic, serves prefill and decode: its prepacked weights exist once
+        eps = {PACKED_MODEL: eps["prefill"]}
     with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
         files = {}
         for name, ep in eps.items():
-            opts = {**inductor_options(), "aot_inductor.package": True, "aot_inductor.model_name_for_generated_files": name}
+            opts = {**inductor_options(packed), "aot_inductor.package": True,
+                    "aot_inductor.model_name_for_generated_files": name}
             files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
         pkg = Path(tmp) / "aoti.pt2"
         package_aoti(str(pkg), files)
@@ -207,7 +210,11 @@ def export(
         max_seq_len: cache capacity; prompt + generated tokens must fit.
         dtype: ``"float32"`` or ``"bfloat16"``.
         batch_size: rows per call (static).
-        backend: ``"exported"`` (portable torch.export programs) or ``"aoti"`` (AOTInductor-compiled).
+        backend: ``"exported"`` (portable torch.export programs), ``"aoti"`` (AOTInductor-compiled) or
+            ``"aoti-packed"`` (AOTInductor with frozen weights prepacked for Inductor's CPU GEMM templates,
+            max-autotune: the fastest decode, notably in bfloat16 on CPUs with AMX; one program serves
+            prefill and decode and carries the weights, so the artifact holds no separate weights file;
+            slower to compile; decoders with only prefill and decode programs).
         image_tokens: vision decoders only (Llama 3.2 Vision's ``MllamaForCausalLM``): N of the image
             features ``cross_attention_states [B, N, dim]`` the cross-attention cache holds
             (default 6404 = 4 tiles x 1601, as the HF processor pads every image).
@@ -229,11 +236,15 @@ def export(
     with progress("loading model (GGUF is converted once, then cached)"):
         decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
                                                             batch_size=batch_size, image_tokens=image_tokens)
+    names = [p.name for p in program_specs(decoder)]
+    if backend == "aoti-packed" and sorted(names) != ["decode", "prefill"]:
+        raise UsageError(f"backend aoti-packed serves prefill and decode from one program; "
+                         f"{info.model_name or type(decoder).__name__} declares programs {names}. Use --backend aoti")
     try:
         with progress("capturing programs (torch.export)"):
             eps = capture_programs(decoder)
             weights = _weights(eps)
-        with progress("compiling with AOTInductor" if backend == "aoti" else "serializing programs"):
+        with progress("serializing programs" if backend == "exported" else f"compiling with AOTInductor ({backend})"):
             files = _program_files(eps, backend, weights)
     except KvtraceError:
         raise
@@ -241,7 +252,7 @@ def export(
         raise CaptureError(
             f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {type(e).__name__}: {e}"
         ) from e
-    unique, aliases = dedupe_weights(weights)
+    unique, aliases = dedupe_weights(weights) if backend != "aoti-packed" else ({}, {})  # packed: in the program
     vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["decode"])
     from kvtrace import __version__
 
