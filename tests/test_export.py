@@ -395,3 +395,32 @@ def test_export_of_the_smallest_caches(tmp_path, max_seq_len):
     assert close(s.prefill(torch.tensor([[5] * max_seq_len])), ref, TOL)[0]
     with pytest.raises(CacheOverflowError, match=f"needs {max_seq_len + 1} cache slots.*max_seq_len={max_seq_len}"):
         s.decode(torch.tensor([[5]]))
+
+
+# --- aoti-packed: one frozen program with prepacked weights ----------------------------------------
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_aoti_packed_matches_eager_with_one_program_holding_the_weights(tmp_path, dtype):
+    from kvtrace._verify import EagerRunner, SessionRunner, verify
+
+    tdtype = getattr(torch, dtype)
+    model = tiny_model("llama", tdtype)
+    path = kvtrace.export(model, tmp_path / "packed.kvt", max_seq_len=MAX_SEQ_LEN, dtype=dtype, backend="aoti-packed")
+    art = kvtrace.load(path)
+    report = verify(EagerRunner(model), [SessionRunner(art.session(), "aoti-packed")],
+                    [PROMPT, torch.tensor([[1, 2]])], steps=8, dtype=tdtype)
+    assert report.passed, report.summary()
+    with zipfile.ZipFile(path) as zf:
+        assert safetensors.torch.load(zf.read("weights.safetensors")) == {}  # the weights live in the program
+        with zipfile.ZipFile(io.BytesIO(zf.read("programs/aoti.pt2"))) as pkg:
+            models = {n.split("/aotinductor/")[1].split("/")[0] for n in pkg.namelist() if "/aotinductor/" in n}
+    assert models == {"step"}  # one program serves prefill and decode
+    assert art.manifest.backend == "aoti-packed" and set(art.manifest.programs) == {"prefill", "decode"}
+
+
+def test_aoti_packed_refuses_decoders_with_more_programs(tmp_path):
+    from conftest import tiny_mllama
+
+    with pytest.raises(UsageError, match=r"aoti-packed serves prefill and decode from one program.*--backend aoti"):
+        kvtrace.export(tiny_mllama(), tmp_path / "v.kvt", max_seq_len=16, backend="aoti-packed", image_tokens=6)
+    assert not (tmp_path / "v.kvt").exists()

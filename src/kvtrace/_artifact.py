@@ -8,7 +8,9 @@ repetitive graph metadata and would otherwise outweigh a small model's weights):
     tokenizer.json           the `tokenizers` tokenizer (optional)
     programs/prefill.json    backend "exported": torch.export program, serialized without weights
     programs/decode.json     (one file per program the manifest lists, e.g. also prefill_image.json)
-    programs/aoti.pt2        backend "aoti": AOTInductor package with one model per program
+    programs/aoti.pt2        backend "aoti": AOTInductor package with one model per program;
+                             backend "aoti-packed": one model ("step", T symbolic) serving prefill and
+                             decode, its weights frozen and prepacked inside (weights.safetensors is empty)
 
 Loading needs torch and kvtrace only: no transformers, and nothing is unpickled (JSON, safetensors
 and AOTInductor's own package format).
@@ -37,7 +39,8 @@ __all__ = ["FORMAT", "VERSION", "Artifact", "Manifest", "ModelInfo", "load", "wr
 
 FORMAT = "kvtrace.artifact"
 VERSION = 1
-BACKENDS = ("exported", "aoti")
+BACKENDS = ("exported", "aoti", "aoti-packed")
+PACKED_MODEL = "step"  # the one model of an aoti-packed package
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ def _read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
                 raise ArtifactError(f"{path}: manifest.json is not UTF-8 text ({e}); the file is corrupt") from e
             manifest = Manifest.from_json(text)
             needed = ["weights.safetensors", *(
-                ["programs/aoti.pt2"] if manifest.backend == "aoti" else [f"programs/{p}.json" for p in manifest.programs]
+                ["programs/aoti.pt2"] if manifest.backend != "exported" else [f"programs/{p}.json" for p in manifest.programs]
             )]
             missing = [n for n in needed if n not in names]
             if missing:
@@ -275,12 +278,16 @@ def load(path: str | os.PathLike[str]) -> Artifact:
         if manifest.backend == "exported":
             programs = {p: _exported_program(blobs[f"programs/{p}.json"], weights) for p in manifest.programs}
         else:
-            from kvtrace._compile import aoti_load
+            from kvtrace._compile import aoti_load, aoti_load_packed
 
             tmpdir = tempfile.TemporaryDirectory(prefix="kvtrace-aoti-")
             pkg = Path(tmpdir.name) / "aoti.pt2"
             pkg.write_bytes(blobs["programs/aoti.pt2"])
-            programs = {p: _logits_only(aoti_load(pkg, weights, model_name=p)) for p in manifest.programs}
+            if manifest.backend == "aoti-packed":
+                step = _logits_only(aoti_load_packed(pkg, PACKED_MODEL))
+                programs = {p: step for p in manifest.programs}
+            else:
+                programs = {p: _logits_only(aoti_load(pkg, weights, model_name=p)) for p in manifest.programs}
             keepalive.append(tmpdir)
     except ArtifactError:
         raise

@@ -23,7 +23,7 @@ from kvtrace._errors import UsageError
 
 __all__ = ["BenchResult", "measure_bandwidth", "run_bench"]
 
-BACKENDS = ("hf-eager", "hf-compile", "jit", "exported", "aoti")
+BACKENDS = ("hf-eager", "hf-compile", "jit", "exported", "aoti", "aoti-packed")
 
 
 @dataclass

@@ -266,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="?", default=None, help="prompt text, or - for stdin")
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), a HF model dir, or a GGUF file")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--backend", choices=("aoti", "exported"), default="aoti")
+    p.add_argument("--backend", choices=("aoti", "aoti-packed", "exported"), default="aoti")
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     _sampling_args(p)
@@ -277,7 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="artifact file to write, e.g. model.kvt")
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--backend", choices=("exported", "aoti"), default="exported")
+    p.add_argument("--backend", choices=("exported", "aoti", "aoti-packed"), default="exported",
+                   help="aoti-packed: frozen, prepacked weights and CPU GEMM templates (fastest decode, "
+                        "slowest compile)")
     p.add_argument("--image-tokens", type=int, default=None, metavar="N",
                    help="vision decoders (Llama 3.2 Vision): image tokens N of cross_attention_states [B, N, dim] "
                         "(default 6404 = 4 tiles x 1601)")
@@ -297,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
             json_flag=False)
     p.add_argument("source", help="smollm2-135m-instruct, a HF model dir, or a GGUF file")
     p.add_argument("--artifact", action="append", default=[], help="also verify this artifact (repeatable)")
-    p.add_argument("--against", default="jit,exported", help="comma list of jit, jit-eager, exported, aoti")
+    p.add_argument("--against", default="jit,exported",
+                   help="comma list of jit, jit-eager, exported, aoti, aoti-packed")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", default=None, help="first prompt (a second, different prompt follows a reset)")
     g.add_argument("--prompts", default=None, help="file with one prompt per line")

@@ -8,15 +8,25 @@ from typing import Any
 
 import torch
 
-__all__ = ["aoti_compile", "aoti_load", "weights_of"]
+__all__ = ["aoti_compile", "aoti_load", "aoti_load_packed", "weights_of"]
 
 
-def inductor_options() -> dict[str, Any]:
-    """Inductor settings kvtrace compiles with (one place, reported by bench)."""
-    return {
-        # Weights stay outside the .so; they are loaded from the model / artifact once.
-        "aot_inductor.package_constants_in_so": False,
-    }
+def inductor_options(packed: bool = False) -> dict[str, Any]:
+    """Inductor settings kvtrace compiles with (one place, reported by bench).
+
+    Default: weights stay outside the .so; they are loaded from the model / artifact once.
+    ``packed``: freezing + Inductor's CPU GEMM templates (max-autotune picks between them and ATen per
+    matmul): the weights are folded into the compiled library, prepacked for the templates' AMX /
+    AVX-512 micro-kernels. One program then holds its own weights, so an artifact has exactly one.
+    """
+    if packed:
+        return {
+            "freezing": True,
+            "max_autotune": True,
+            "max_autotune_gemm_backends": "CPP,ATEN",
+            "aot_inductor.package_constants_in_so": True,
+        }
+    return {"aot_inductor.package_constants_in_so": False}
 
 
 def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLike[str]) -> Callable[..., Any]:
@@ -46,6 +56,13 @@ def aoti_load(path: str | os.PathLike[str], weights: dict[str, torch.Tensor], mo
         {k: weights[k] for k in runner.get_constant_fqns()}, check_full_update=True, user_managed=True
     )
     return _FlatRunner(runner)
+
+
+def aoti_load_packed(path: str | os.PathLike[str], model_name: str) -> Callable[..., Any]:
+    """Load a compiled package that carries its own (frozen, prepacked) weights."""
+    from torch._inductor.package import load_package
+
+    return _FlatRunner(load_package(os.fspath(path), model_name))
 
 
 class _FlatRunner:

@@ -412,9 +412,9 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
     from kvtrace._sources import apply_chat_template, load_model
 
     against = [a.strip() for a in args.against.split(",") if a.strip()]
-    unknown = sorted(set(against) - {"jit", "jit-eager", "exported", "aoti"})
+    unknown = sorted(set(against) - {"jit", "jit-eager", "exported", "aoti", "aoti-packed"})
     if unknown:
-        raise UsageError(f"--against takes jit, jit-eager, exported, aoti; got {unknown}")
+        raise UsageError(f"--against takes jit, jit-eager, exported, aoti, aoti-packed; got {unknown}")
     dtype = DTYPES[args.dtype]
     with step(f"loading {args.source}"):
         lm = load_model(args.source, dtype=dtype)
