@@ -25,6 +25,8 @@ def inductor_options(packed: bool = False) -> dict[str, Any]:
             "max_autotune": True,
             "max_autotune_gemm_backends": "CPP,ATEN",
             "aot_inductor.package_constants_in_so": True,
+            "autotune_num_choices_displayed": 0,  # no per-matmul benchmark tables on stderr
+            "max_autotune_report_choices_stats": False,
         }
     return {"aot_inductor.package_constants_in_so": False}
 
