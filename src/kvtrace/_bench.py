@@ -80,10 +80,18 @@ class _Stepper:
 
     def __init__(self, prefill: Callable[[torch.Tensor], torch.Tensor],
                  decode: Callable[[torch.Tensor], torch.Tensor], reset: Callable[[], None],
-                 recompiles: Callable[[], int] = lambda: 0, artifact: Path | None = None):
+                 recompiles: Callable[[], int] = lambda: 0, artifact: Path | None = None,
+                 workdir: Any = None):
         self.prefill, self.decode, self.reset = prefill, decode, reset
         self.recompiles = recompiles
         self.artifact = artifact
+        self.workdir = workdir  # a TemporaryDirectory holding a freshly exported artifact, or None
+
+    def close(self) -> None:
+        """Delete a freshly exported artifact (hundreds of MiB) once its numbers are taken."""
+        if self.workdir is not None:
+            self.workdir.cleanup()
+            self.workdir = None
 
 
 def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: int | None) -> _Stepper:
@@ -127,17 +135,19 @@ def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, d
     from kvtrace._artifact import load
     from kvtrace._export import export
 
+    workdir = None
     if source is None:
         import tempfile
 
-        path = Path(tempfile.mkdtemp(prefix="kvtrace-bench-")) / f"{backend}.kvt"
+        workdir = tempfile.TemporaryDirectory(prefix="kvtrace-bench-")
+        path = Path(workdir.name) / f"{backend}.kvt"
         export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend)
     else:
         from kvtrace._build import cached_artifact
 
         path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype).path
     sess = load(path).session()
-    return _Stepper(sess.prefill, sess.decode, sess.reset, artifact=path)
+    return _Stepper(sess.prefill, sess.decode, sess.reset, artifact=path, workdir=workdir)
 
 
 def _generate(s: _Stepper, ids: torch.Tensor, n: int) -> tuple[float, float, list[int]]:
@@ -242,6 +252,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     r = BenchResult(b, dtype, plen, new_tokens, load_s=round(load_s, 2))
                     gc.collect()
                     _reset_peak_rss()
+                    s = None
                     try:
                         with progress(f"{b} {dtype} prompt {plen}: build"):
                             t0 = time.perf_counter()
@@ -253,6 +264,8 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     except Exception as e:  # one backend failing must not hide the others' numbers
                         r.error = f"{type(e).__name__}: {e}"[:300]
                         results.append(r)
+                        if s is not None:
+                            s.close()
                         continue
                     pre = [x[0] * 1e3 for x in runs_out]
                     dec = [x[1] for x in runs_out]
@@ -266,6 +279,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     r.recompiles = s.recompiles()
                     if s.artifact is not None:
                         r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
+                    s.close()
                     if b == "hf-eager":
                         ref_tokens = r.tokens
                     if ref_tokens is not None:

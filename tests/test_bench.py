@@ -1,0 +1,18 @@
+"""kvtrace bench internals: fresh exports are measured, then deleted (they are hundreds of MiB)."""
+
+from __future__ import annotations
+
+import tempfile
+
+from conftest import tiny_model
+from kvtrace._bench import run_bench
+
+
+def test_fresh_artifacts_are_deleted_after_measuring(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = run_bench(model=tiny_model("llama"), backends=("hf-eager", "exported"), prompt_lens=(4,), new_tokens=4,
+                     runs=1, max_seq_len=32)
+    rows = {r["backend"]: r for r in data["results"]}
+    assert not rows["exported"]["error"] and rows["exported"]["artifact_mib"] > 0  # it was there when measured
+    assert rows["exported"]["tokens_match_eager"] is True
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvtrace-bench-")] == []
