@@ -9,7 +9,7 @@ import kvtrace
 
 EXPECTED = {
     "ArtifactError", "CacheOverflowError", "CacheSpec", "CaptureError", "KvtraceError", "LayerKind", "LayerSpec",
-    "SourceError", "UnsupportedError", "UsageError", "__version__", "export", "jit", "load", "verify",
+    "Prompt", "SourceError", "UnsupportedError", "UsageError", "__version__", "export", "jit", "load", "verify",
 }
 
 

@@ -5,6 +5,8 @@ Public API (everything else lives in private modules and may change)::
     jm = kvtrace.jit(model)                       # drop-in for HF-style calls with a DynamicCache/StaticCache
     kvtrace.export("smollm2-135m-instruct", "m.kvt", max_seq_len=512)
     art = kvtrace.load("m.kvt"); s = art.session(); s.prefill(tokens); s.decode(tok)
+    s.prefill(tokens, cross_attention_states=x)   # vision decoders: named prefill inputs
+    kvtrace.verify(reference, candidates, [tokens, kvtrace.Prompt(tokens, {"cross_attention_states": x})])
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from kvtrace._errors import (
     UsageError,
 )
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ArtifactError",
@@ -32,6 +34,7 @@ __all__ = [
     "KvtraceError",
     "LayerKind",
     "LayerSpec",
+    "Prompt",
     "SourceError",
     "UnsupportedError",
     "UsageError",
@@ -52,6 +55,7 @@ _LAZY = {
     "export": "kvtrace._export",
     "load": "kvtrace._artifact",
     "verify": "kvtrace._verify",
+    "Prompt": "kvtrace._verify",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,7 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace._cache_spec import CacheSpec, LayerKind, LayerSpec
     from kvtrace._export import export
     from kvtrace._jit import jit
-    from kvtrace._verify import verify
+    from kvtrace._verify import Prompt, verify
 
 
 def __getattr__(name: str) -> Any:
