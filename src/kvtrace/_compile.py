@@ -25,6 +25,9 @@ def inductor_options(packed: bool = False) -> dict[str, Any]:
             "max_autotune": True,
             "max_autotune_gemm_backends": "CPP,ATEN",
             "aot_inductor.package_constants_in_so": True,
+            # Never from Inductor's compile caches: with frozen, prepacked weights a cache hit returned a program
+            # computing with wrong weights (SmolLM2 bf16: logits off by 147; a fresh compile is right).
+            "force_disable_caches": True,
             "autotune_num_choices_displayed": 0,  # no per-matmul benchmark tables on stderr
             "max_autotune_report_choices_stats": False,
         }

@@ -137,7 +137,8 @@ def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
         for name, ep in eps.items():
             opts = {**inductor_options(packed), "aot_inductor.package": True,
                     "aot_inductor.model_name_for_generated_files": name}
-            files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
+            with torch.compiler.config.patch(force_disable_caches=packed) if packed else contextlib.nullcontext():
+                files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
         pkg = Path(tmp) / "aoti.pt2"
         package_aoti(str(pkg), files)
         return {"programs/aoti.pt2": pkg.read_bytes()}
