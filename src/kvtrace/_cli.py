@@ -114,7 +114,7 @@ def _image_inputs(art: Any, path: str | None) -> dict[str, Any]:
         return {}
     from kvtrace._program_spec import read_inputs_file
 
-    accepted = {i.name for inputs in art.session().input_specs().values() for i in inputs}
+    accepted = {i.name for p in art.manifest.programs.values() for i in p.inputs}  # no cache allocated
     if not accepted:
         raise UsageError(f"--image-features given, but {art.path} was exported from a text-only model "
                          f"({art.manifest.model_name or art.manifest.model_type}); its prefill takes token ids only")
