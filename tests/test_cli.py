@@ -189,6 +189,24 @@ def test_verify_command_passes_and_writes_json(hf_dir, tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("fp32_reference", [True, False])
+def test_verify_bf16_uses_an_fp32_reference_unless_told_not_to(fp32_reference, hf_dir, tmp_path, capsys):
+    out = tmp_path / "report.json"
+    code = main(["verify", str(hf_dir), "--against", "exported", "--dtype", "bfloat16", "--steps", "2", "--raw",
+                 "--prompt", "hello world", "--max-seq-len", "32", "--json", str(out),
+                 *([] if fp32_reference else ["--no-fp32-reference"])])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16" and report["tolerance"]["fp32_reference"] == str(fp32_reference).lower()
+    (summary,) = report["summary"]
+    if fp32_reference:  # both errors against fp32 are measured and shown
+        assert 0 < summary["eager_logits_vs_fp32"] < 1 and 0 <= summary["logits_vs_fp32"] < 1
+        assert "no further from fp32" in text
+    else:
+        assert summary["logits_vs_fp32"] is None and "fp32" not in text
+
+
 def test_bench_quick_mode(hf_dir, tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(["bench", "--model", str(hf_dir), "--backends", "hf-eager,jit,exported", "--prompt-len", "4",

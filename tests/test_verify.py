@@ -357,3 +357,77 @@ def test_render_and_summary_name_result_and_tolerance():
     assert str(TOL) in text and "float32" in text
     assert "PASS" in text and "FAIL prompt 1 step 2: layer 0 K max abs 2 > 0.0001" in text
     assert "1/2 candidate(s)" in text and "failed: b" in text
+
+
+# --- reduced precision: the fp32 reference route --------------------------------------------------------
+
+class Offset(EagerRunner):
+    """Eager, with ``delta`` added to every logit and to layer 0's K: a run that is off by a known amount."""
+
+    def __init__(self, model, name, delta: float, cast: torch.dtype | None = None):
+        self.delta, self.cast = delta, cast
+        super().__init__(model, name)
+
+    def _step(self, tokens, cross=None):
+        out = super()._step(tokens, cross)
+        return (out.to(self.cast) if self.cast else out) + self.delta
+
+    def cache(self):
+        out = []
+        for i, kv in enumerate(super().cache()):
+            k, v = (t.to(self.cast) if self.cast else t for t in kv)
+            out.append((k + self.delta if i == 0 else k, v))
+        return out
+
+
+@pytest.fixture(scope="module")
+def bf16_pair():
+    """(the tiny llama in bf16, the same weights upcast to fp32)."""
+    low = tiny_model("llama").to(torch.bfloat16)
+    return low, copy.deepcopy(low).float()
+
+
+def test_bf16_candidate_closer_to_fp32_than_eager_passes_only_with_the_fp32_reference(bf16_pair):
+    low, high = bf16_pair
+    bf16 = torch.bfloat16
+    # eager bf16 made sloppy by 0.5 (logits and layer 0 K), far past the bf16 tolerance of its ~1e0 values;
+    # "accurate" is the fp32 run rounded to bf16: the best a bf16 program can do
+    ref = lambda: Offset(low, "eager", 0.5)  # noqa: E731
+    accurate, worse = Offset(high, "accurate", 0.0, cast=bf16), Offset(low, "worse", 2.0)
+    with_fp32 = verify(ref(), [accurate, worse], PROMPTS, steps=STEPS, dtype=bf16, fp32=EagerRunner(high, "fp32"))
+    alone = verify(ref(), [Offset(high, "accurate", 0.0, cast=bf16)], PROMPTS, steps=STEPS, dtype=bf16)
+
+    assert not alone.passed  # 0.5 from the reference: the fixed bf16 tolerance alone fails it
+    assert alone.first_failure("accurate").failure.startswith("layer 0 K max abs 0.")
+    rows = [r for r in with_fp32.rows if r.candidate == "accurate"]
+    assert all(r.passed for r in rows), [r.failure for r in rows if not r.passed]
+    assert all(r.logits_max_abs >= 0.45 for r in rows)  # it did miss eager by the planted amount
+    assert all(r.logits_vs_fp32 < 0.05 and r.eager_logits_vs_fp32 >= 0.45 for r in rows)
+    fail = with_fp32.first_failure("worse")  # 2.0 from fp32 where eager is 0.5 away: still fails, saying both
+    assert (fail.prompt, fail.step) == (0, "prefill")
+    m = re.match(r"layer 0 K max abs ([\d.]+) > [\d.]+, vs fp32 ([\d.]+) > [\d.]+ \(eager's own ([\d.]+) \+ tolerance\)",
+                 fail.failure)
+    assert m, fail.failure
+    assert [round(float(x), 1) for x in m.groups()] == [1.5, 2.0, 0.5]  # bf16 rounds k + offset near 2 by < 0.02
+    assert re.search(r"; logits max abs 1\.\d+ > [\d.]+, vs fp32 [12]\.\d+ > ", fail.failure), fail.failure
+    summary = {s["candidate"]: s for s in with_fp32.summary()}
+    assert summary["accurate"]["result"] == "PASS" and summary["worse"]["result"] == "FAIL"
+    assert summary["accurate"]["eager_logits_vs_fp32"] >= 0.45
+    assert with_fp32.tolerance["fp32_reference"] == "true" and "no further from fp32" in with_fp32.tolerance["rule"]
+    text = render_text(with_fp32)
+    assert "logits vs fp32 (cand / eager)" in text and "no further from fp32" in text
+    assert strict_json(with_fp32.to_json())["summary"][0]["logits_vs_fp32"] < 0.05
+
+
+def test_a_nan_fails_both_routes(bf16_pair):
+    low, high = bf16_pair
+    report = verify(EagerRunner(low), [Offset(low, "nan", float("nan"))], PROMPTS[:1], steps=1,
+                    dtype=torch.bfloat16, fp32=EagerRunner(high, "fp32"))
+    fail = report.first_failure("nan")
+    assert fail is not None and (fail.prompt, fail.step) == (0, "prefill")
+    assert "vs fp32 nan" in fail.failure
+
+
+def test_fp32_reference_is_refused_for_a_float32_run(llama):
+    with pytest.raises(kvtrace.UsageError, match="only applies to reduced-precision runs"):
+        verify(EagerRunner(llama), [], PROMPTS, steps=1, fp32=EagerRunner(llama, "fp32"))

@@ -8,6 +8,9 @@ nothing (a cross-attention layer in a text-only run, as eager leaves it). The ha
 greedy token to every runner (teacher forcing), so one early error cannot hide later ones, and
 records per step: logits max abs / max rel error, top-1 agreement, and per layer the max abs
 error of K and V. Pass/fail uses the per-dtype tolerances of ``_tolerances``; a NaN anywhere fails.
+For bf16/fp16, an optional fp32 reference (the same weights upcast, fed the same tokens) gives the
+second route of ``_tolerances``: a candidate further from eager than the tolerance still passes a
+tensor if it is no further from fp32 than eager itself is (+ tolerance); rows record both errors.
 
 A failing row says what failed, cache first (the earliest layer whose K or V is off, with the first
 bad position), then the logits, e.g. ``"layer 0 K max abs 1.3 > 0.0001 (first bad position 0,
@@ -26,7 +29,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kvtrace._tolerances import Tolerance, max_abs_diff, tolerance_for
+from kvtrace._tolerances import Tolerance, judge, max_abs_diff, tolerance_for
 
 __all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "VerifyReport", "verify"]
 
@@ -121,6 +124,7 @@ class SessionRunner:
     def __init__(self, session: Any, name: str):
         self.name = name
         self.session = session
+        self.prefill_logits = getattr(session, "prefill_logits", "all")  # "last": prefill returns the last row only
 
     def reset(self) -> None:
         self.session.reset()
@@ -164,6 +168,8 @@ class StepRow:
     passed: bool
     failure: str = ""  # e.g. "layer 3 K max abs ... (first bad position 7, worst 9); logits max abs ...",
     # "layer 0 cache shape [1, 2, 14, 16] != eager [1, 2, 3, 16]", "raised UsageError: ..."
+    logits_vs_fp32: float | None = None  # with an fp32 reference: max|candidate - fp32| of the logits
+    eager_logits_vs_fp32: float | None = None  # ... and eager's own max|eager - fp32|
 
     @property
     def worst_layer(self) -> int:
@@ -208,6 +214,8 @@ class VerifyReport:
                 "result": "PASS" if fail is None else "FAIL",
                 "tolerance": self.tolerance["rule"],
                 "first_failure": "" if fail is None else f"prompt {fail.prompt} step {fail.step}: {fail.failure}",
+                "logits_vs_fp32": _max_or_none(r.logits_vs_fp32 for r in rows),
+                "eager_logits_vs_fp32": _max_or_none(r.eager_logits_vs_fp32 for r in rows),
             })
         return out
 
@@ -216,6 +224,11 @@ class VerifyReport:
         doc = {"passed": self.passed, "result": "PASS" if self.passed else "FAIL", "dtype": self.dtype,
                "tolerance": self.tolerance, "summary": self.summary(), "rows": [asdict(r) for r in self.rows]}
         return json.dumps(_finite(doc), indent=2, allow_nan=False)
+
+
+def _max_or_none(xs: Any) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return max(vals) if vals else None
 
 
 def _finite(x: Any) -> Any:
@@ -233,28 +246,32 @@ def _over(d: float, limit: float) -> bool:
 
 
 def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand: Runner,
-             ref_logits: torch.Tensor, cand_logits: torch.Tensor, tol: Tolerance) -> StepRow:
+             ref_logits: torch.Tensor, cand_logits: torch.Tensor, tol: Tolerance,
+             fp32: Runner | None = None, fp32_logits: torch.Tensor | None = None) -> StepRow:
     ref_f, cand_f = ref_logits.float(), cand_logits.float()
-    ref_max = ref_f.abs().max().item()
+    vs_fp32 = eager_vs_fp32 = None
     if cand_f.shape != ref_f.shape:
         l_abs = l_rel = math.inf
         top1, tok_ok = 0.0, False
         logits_failure = f"logits shape {list(cand_f.shape)} != eager {list(ref_f.shape)}"
     else:
-        l_abs = max_abs_diff(cand_f, ref_f)
-        l_rel = l_abs / max(ref_max, 1e-12)
+        j = judge(cand_f, ref_f, tol, fp32_logits)
+        l_abs = j.diff
+        l_rel = l_abs / max(ref_f.abs().max().item(), 1e-12)
         top1 = (cand_f.argmax(-1) == ref_f.argmax(-1)).float().mean().item()
         tok_ok = bool((cand_f[:, -1].argmax(-1) == ref_f[:, -1].argmax(-1)).all())
-        lim = tol.limit(ref_max)
-        logits_failure = f"logits max abs {l_abs:.3g} > {lim:.3g}" if _over(l_abs, lim) else ""
+        logits_failure = "" if j.passed else j.describe("logits")
+        if fp32_logits is not None:
+            vs_fp32, eager_vs_fp32 = max_abs_diff(cand_f, fp32_logits), max_abs_diff(ref_f, fp32_logits)
     ks, vs = [], []
     len_ok = True
     cache_failures: list[str] = []
     ref_cache, cand_cache = ref.cache(), cand.cache()
+    fp32_cache: list[LayerKV] = fp32.cache() if fp32 is not None else [None] * len(ref_cache)
     if len(cand_cache) != len(ref_cache):
         len_ok = False
         cache_failures.append(f"cache has {len(cand_cache)} layers, eager {len(ref_cache)}")
-    for i, (ref_kv, cand_kv) in enumerate(zip(ref_cache, cand_cache, strict=False)):
+    for i, (ref_kv, cand_kv, f_kv) in enumerate(zip(ref_cache, cand_cache, fp32_cache, strict=False)):
         if ref_kv is None or cand_kv is None:
             if ref_kv is cand_kv:  # both hold nothing (a skipped cross-attention layer)
                 ks.append(0.0)
@@ -274,17 +291,16 @@ def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand
             ks.append(math.inf)
             vs.append(math.inf)
             continue
-        for which, r, c, acc in (("K", rk, ck, ks), ("V", rv, cv, vs)):
-            d = max_abs_diff(c, r)
-            acc.append(d)
-            lim = tol.limit(r.float().abs().max().item() if r.numel() else 0.0)
-            if _over(d, lim):
+        fk, fv = f_kv if f_kv is not None and f_kv[0].shape == rk.shape else (None, None)
+        for which, r, c, f, acc in (("K", rk, ck, fk, ks), ("V", rv, cv, fv, vs)):
+            j = judge(c, r, tol, f)
+            acc.append(j.diff)
+            if not j.passed:
                 per_pos = (c.float() - r.float()).abs().amax(dim=(0, 1, 3))  # [P]
-                bad = (~(per_pos <= lim)).nonzero().flatten()
+                bad = (~(per_pos <= j.limit)).nonzero().flatten()
                 first = int(bad[0]) if bad.numel() else -1
                 worst = int(torch.nan_to_num(per_pos, nan=math.inf).argmax())
-                cache_failures.append(f"layer {i} {which} max abs {d:.3g} > {lim:.3g} "
-                                      f"(first bad position {first}, worst {worst})")
+                cache_failures.append(f"{j.describe(f'layer {i} {which}')} (first bad position {first}, worst {worst})")
     for _ in range(len(ks), len(ref_cache)):  # layers the candidate lacks
         ks.append(math.inf)
         vs.append(math.inf)
@@ -293,7 +309,7 @@ def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand
         parts[0] += f" (+{len(cache_failures) - 1} more layer K/V)"
     failure = "; ".join([*parts, *([logits_failure] if logits_failure else [])])
     return StepRow(name, prompt, step, position, l_abs, l_rel, top1, tok_ok, tuple(ks), tuple(vs), len_ok,
-                   not failure, failure)
+                   not failure, failure, vs_fp32, eager_vs_fp32)
 
 
 def _error_row(name: str, prompt: int, step: str, position: int, n_layers: int, failure: str) -> StepRow:
@@ -313,12 +329,22 @@ def verify(
     *,
     steps: int = 8,
     dtype: torch.dtype = torch.float32,
+    fp32: Runner | None = None,
 ) -> VerifyReport:
     """Run every prompt (reset before each) through reference and candidates; compare every step.
 
-    A ``Prompt`` carries named prefill inputs (e.g. image features) next to its token ids."""
+    A ``Prompt`` carries named prefill inputs (e.g. image features) next to its token ids. ``fp32``
+    (for a bf16/fp16 ``dtype`` only): the reference's model in float32, fed the same tokens, which
+    enables the reduced-precision route of ``_tolerances``."""
+    from kvtrace._errors import UsageError
+
     tol = tolerance_for(dtype)
-    report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": str(tol)},
+    if fp32 is not None and dtype == torch.float32:
+        raise UsageError("an fp32 reference only applies to reduced-precision runs (bfloat16, float16); "
+                         "this run is float32, whose eager reference is already the fp32 one")
+    rule = str(tol) + (", or no further from fp32 than eager is (+ the same tolerance)" if fp32 is not None else "")
+    report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": rule,
+                                     "fp32_reference": str(fp32 is not None).lower()},
                           dtype=str(dtype).removeprefix("torch."))
     with torch.inference_mode():
         for p_idx, prompt in enumerate(prompts):
@@ -326,6 +352,8 @@ def verify(
             ids = torch.as_tensor(prompt.tokens if isinstance(prompt, Prompt) else prompt, dtype=torch.int64)
             ids = ids.reshape(1, -1) if ids.dim() == 1 else ids  # [B, T]
             reference.reset()  # before every prompt, the first one included
+            if fp32 is not None:
+                fp32.reset()
             broken: dict[int, str] = {}  # candidate index -> why it is skipped for the rest of this prompt
             for c_idx, c in enumerate(candidates):
                 try:
@@ -333,6 +361,8 @@ def verify(
                 except Exception as e:
                     broken[c_idx] = f"reset() {_describe(e)}"
             ref_logits = reference.prefill(ids, **inputs)
+            f_inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+            f_logits = fp32.prefill(ids, **f_inputs) if fp32 is not None else None
             n_layers = len(reference.cache())
             pos = ids.shape[1]
             for s in range(steps + 1):
@@ -340,6 +370,7 @@ def verify(
                 if s:
                     tok = ref_logits[:, -1:].argmax(-1)  # [B, 1] the reference's greedy token, fed to all
                     ref_logits = reference.decode(tok)
+                    f_logits = fp32.decode(tok) if fp32 is not None else None
                     pos += 1
                 for c_idx, c in enumerate(candidates):
                     if c_idx in broken:
@@ -349,7 +380,11 @@ def verify(
                         continue
                     try:
                         out = c.prefill(ids, **inputs) if s == 0 else c.decode(tok)
-                        row = _compare(c.name, p_idx, step, pos, reference, c, ref_logits, out, tol)
+                        # a runner that declares last-position prefill logits is compared on that position
+                        last = s == 0 and getattr(c, "prefill_logits", "all") == "last"
+                        row = _compare(c.name, p_idx, step, pos, reference, c,
+                                       ref_logits[:, -1:] if last else ref_logits, out, tol, fp32,
+                                       f_logits[:, -1:] if last and f_logits is not None else f_logits)
                     except Exception as e:
                         row = _error_row(c.name, p_idx, step, pos, n_layers, _describe(e))
                         broken[c_idx] = f"skipped: {_describe(e)} at step {step}"
@@ -369,14 +404,19 @@ def render(report: VerifyReport) -> Any:
         caption=f"{verdict}: {len(summary) - len(failed)}/{len(summary)} candidate(s) within the {report.dtype} "
                 f"tolerance {report.tolerance['rule']}" + (f"; failed: {', '.join(failed)}" if failed else ""),
     )
+    with_fp32 = report.tolerance.get("fp32_reference") == "true"
     for col in ("candidate", "steps", "logits max abs", "worst step", "top-1 agree", "greedy tokens",
-                "K/V max abs", "worst K/V", "result"):
+                "K/V max abs", "worst K/V", *(["logits vs fp32 (cand / eager)"] if with_fp32 else []), "result"):
         t.add_column(col, overflow="fold")
     for s in summary:
+        fp32_col = []
+        if with_fp32:
+            c, e = s["logits_vs_fp32"], s["eager_logits_vs_fp32"]
+            fp32_col = ["-" if c is None or e is None else f"{c:.3g} / {e:.3g}"]
         t.add_row(
             s["candidate"], str(s["steps"]), f"{s['logits_max_abs']:.3g}", s["logits_worst_step"],
             f"{s['top1_agree']:.3f}", f"{s['tokens_agree']}/{s['steps']}", f"{s['kv_max_abs']:.3g}", s["kv_worst"],
-            "[green]PASS[/green]" if s["passed"] else f"[red]FAIL[/red] {s['first_failure']}",
+            *fp32_col, "[green]PASS[/green]" if s["passed"] else f"[red]FAIL[/red] {s['first_failure']}",
         )
     return t
 
@@ -456,4 +496,9 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
         for f in args.artifact:
             cands.append(SessionRunner(load(f).session(), Path(f).name))
         with step(f"verifying {len(cands)} candidate(s) on {len(prompts)} prompts x (prefill + {args.steps} steps)"):
-            return verify(EagerRunner(lm.model), cands, prompts, steps=args.steps, dtype=dtype)
+            fp32 = None
+            if dtype != torch.float32 and getattr(args, "fp32_reference", True):
+                import copy
+
+                fp32 = EagerRunner(copy.deepcopy(lm.model).float(), name="eager-fp32")
+            return verify(EagerRunner(lm.model), cands, prompts, steps=args.steps, dtype=dtype, fp32=fp32)
