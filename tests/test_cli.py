@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import make_tiny_hf_dir
 from kvtrace._cli import EXAMPLES, main
@@ -57,6 +58,15 @@ def test_help_has_an_example(command, capsys):
 def test_export_writes_one_file(artifact):
     assert artifact.is_file() and artifact.stat().st_size > 0
     assert [p.name for p in artifact.parent.iterdir()] == ["tiny.kvt"]  # no temp files left behind
+
+
+def test_export_defaults_to_last_position_prefill_logits(artifact, hf_dir, tmp_path):
+    import kvtrace
+
+    assert kvtrace.load(artifact).manifest.programs["prefill"].logits == "last"  # what `kvtrace run` needs
+    out = tmp_path / "all.kvt"
+    assert main(["export", str(hf_dir), "-o", str(out), "--max-seq-len", "32", "--prefill-logits", "all", "-q"]) == 0
+    assert kvtrace.load(out).session().prefill(torch.tensor([[1, 2, 3]])).shape[1] == 3
 
 
 def test_run_streams_and_reports_stats(artifact, capsys):

@@ -8,6 +8,7 @@ import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -399,14 +400,16 @@ def test_export_of_the_smallest_caches(tmp_path, max_seq_len):
 
 # --- aoti-packed: one frozen program with prepacked weights ----------------------------------------
 @pytest.mark.compile
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_aoti_packed_matches_eager_with_one_program_holding_the_weights(tmp_path, dtype):
+@pytest.mark.parametrize(("dtype", "logits"), [("float32", "all"), ("bfloat16", "last")])
+def test_aoti_packed_matches_eager_with_one_program_holding_the_weights(tmp_path, dtype, logits):
     from kvtrace._verify import EagerRunner, SessionRunner, verify
 
     tdtype = getattr(torch, dtype)
     model = tiny_model("llama", tdtype)
-    path = kvtrace.export(model, tmp_path / "packed.kvt", max_seq_len=MAX_SEQ_LEN, dtype=dtype, backend="aoti-packed")
+    path = kvtrace.export(model, tmp_path / "packed.kvt", max_seq_len=MAX_SEQ_LEN, dtype=dtype, backend="aoti-packed",
+                          prefill_logits=logits)
     art = kvtrace.load(path)
+    assert art.session().prefill(PROMPT).shape[1] == (1 if logits == "last" else PROMPT.shape[1])
     report = verify(EagerRunner(model), [SessionRunner(art.session(), "aoti-packed")],
                     [PROMPT, torch.tensor([[1, 2]])], steps=8, dtype=tdtype)
     assert report.passed, report.summary()
@@ -441,3 +444,68 @@ def test_aoti_packed_export_twice_is_still_correct(tmp_path):
                               backend="aoti-packed")
         got = kvtrace.load(path).session().prefill(PROMPT)
         assert close(got, ref, tol)[0], f"export {i}: max diff {(got.float() - ref.float()).abs().max():.3g}"
+
+
+# --- prefill_logits="last": the vocabulary projection on the last position only ----------------------
+def _head_input_rows(ep: torch.export.ExportedProgram, vocab: int) -> Any:
+    """dim 1 (T) of the input of the vocabulary projection (the graph's last matmul, [B, ?, dim] -> [B, ?, V])."""
+    linears = [n for n in ep.graph.nodes if n.op == "call_function" and "linear" in str(n.target)]
+    head = linears[-1]
+    assert head.meta["val"].shape[-1] == vocab
+    return head.args[0].meta["val"].shape[1]
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])  # LlamaDecoder; HFDecoder (HF's logits_to_keep)
+def test_prefill_logits_last_projects_one_row_and_matches_eager(arch, tmp_path):
+    from kvtrace._decoder import make_decoder
+    from kvtrace._verify import EagerRunner, SessionRunner, verify
+
+    model = tiny_model(arch)
+    vocab = model.config.vocab_size
+    decoder = make_decoder(model, max_seq_len=MAX_SEQ_LEN)
+    programs = _export.with_prefill_logits(_export.program_specs(decoder), "last", decoder)
+    eps = _export.capture_programs(decoder, programs)
+    assert _head_input_rows(eps["prefill"], vocab) == 1  # the head sees one row, not T
+    full = _export.capture_programs(decoder, _export.program_specs(decoder))
+    assert not isinstance(_head_input_rows(full["prefill"], vocab), int)  # "all": T (symbolic) rows
+    assert not decoder.last_logits  # the caller's decoder is untouched; a copy was set
+
+    art = kvtrace.load(kvtrace.export(model, tmp_path / "last.kvt", max_seq_len=MAX_SEQ_LEN, prefill_logits="last"))
+    assert art.manifest.programs["prefill"].logits == "last"
+    assert art.manifest.programs["prefill"].signature().endswith("-> logits[B,1,V]")
+    s = art.session()
+    assert s.prefill_logits == "last"
+    got = s.prefill(PROMPT)
+    assert got.shape == (1, 1, vocab)
+    with torch.no_grad():
+        ref = model(input_ids=PROMPT).logits[:, -1:]
+    assert close(got, ref, TOL)[0]
+    report = verify(EagerRunner(model), [SessionRunner(art.session(), "last")], [PROMPT, torch.tensor([[1, 2]])],
+                    steps=4)
+    assert report.passed, report.summary()
+
+
+def test_prefill_logits_last_wrong_row_fails_verify(tmp_path):
+    """The comparison is on the last position: a program that returns the first row instead must fail."""
+    from kvtrace._verify import EagerRunner, SessionRunner, verify
+
+    model = tiny_model("llama")
+    art = kvtrace.load(kvtrace.export(model, tmp_path / "all.kvt", max_seq_len=MAX_SEQ_LEN))
+    runner = SessionRunner(art.session(), "first-row")
+    runner.prefill_logits = "last"
+    runner.prefill = lambda tokens, **inputs: art_session_first_row(runner.session, tokens)
+    report = verify(EagerRunner(model), [runner], [PROMPT], steps=1)
+    fail = report.first_failure("first-row")
+    assert fail is not None and fail.step == "prefill" and fail.failure.startswith("logits max abs"), fail
+
+
+def art_session_first_row(session: Any, tokens: torch.Tensor) -> torch.Tensor:
+    return session.prefill(tokens)[:, :1]
+
+
+def test_prefill_logits_is_checked(tmp_path):
+    with pytest.raises(UsageError, match=r"prefill_logits must be one of \('all', 'last'\), got 'first'"):
+        kvtrace.export(tiny_model("llama"), tmp_path / "x.kvt", max_seq_len=16, prefill_logits="first")
+    with pytest.raises(UsageError, match="needs a Decoder that can run its head on the last position only"):
+        kvtrace.export(ToyDecoder(), tmp_path / "x.kvt", prefill_logits="last")
+    assert not (tmp_path / "x.kvt").exists()

@@ -173,6 +173,18 @@ def test_verify_bfloat16(backend, tmp_path):
     assert report.passed, summary(report)
 
 
+def test_prefill_logits_last_for_both_prefill_programs(model, tmp_path):
+    path = kvtrace.export(model, tmp_path / "last.kvt", max_seq_len=MAX_SEQ_LEN, image_tokens=IMAGE_TOKENS,
+                          prefill_logits="last")
+    art = kvtrace.load(path)
+    assert {n: p.logits for n, p in art.manifest.programs.items()} == {
+        "prefill": "last", "decode": "all", "prefill_image": "last"}
+    s = art.session()
+    assert s.prefill(torch.tensor([P0]), cross_attention_states=image_features()).shape[1] == 1
+    report = verify(EagerRunner(model), [SessionRunner(art.session(), "last")], scenario(), steps=4)
+    assert report.passed, summary(report)
+
+
 # --- Session: cross state, reset, snapshot ---------------------------------------------------------
 def test_image_prefill_fills_cross_state_and_reset_clears_it(artifact):
     _, path = artifact

@@ -179,7 +179,8 @@ class Artifact:
         extra = {n: (spec, self._programs[n]) for n, spec in self.manifest.programs.items()
                  if n not in ("prefill", "decode")}
         return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
-                       vocab_size=self.manifest.vocab_size, extra=extra)
+                       vocab_size=self.manifest.vocab_size, extra=extra,
+                       prefill_logits=self.manifest.programs["prefill"].logits)
 
     def tokenizer(self) -> Any:
         """The `tokenizers.Tokenizer` stored in the artifact (None if it has none)."""

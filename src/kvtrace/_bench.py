@@ -3,6 +3,10 @@
 Everything runs in one process on the same prompt, so ratios are fair. Decode is memory-bound at
 batch 1, so each backend is also put against the machine's own bound: measured read bandwidth
 divided by the bytes a decode step must read (all weights + the live cache).
+
+Every backend computes what a generation needs and no more: HF backends are called with
+``logits_to_keep=1`` (as HF ``generate`` does) and kvtrace artifacts are exported with
+``prefill_logits="last"``, so prefill times compare like with like.
 """
 
 from __future__ import annotations
@@ -106,7 +110,9 @@ def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: in
     def step(ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
         pos = torch.arange(st["pos"], st["pos"] + t).unsqueeze(0)
-        out = call(input_ids=ids, position_ids=pos, past_key_values=st["cache"], use_cache=True, return_dict=True)
+        # logits_to_keep=1: the last position's logits only, as HF generate computes them
+        out = call(input_ids=ids, position_ids=pos, past_key_values=st["cache"], use_cache=True, return_dict=True,
+                   logits_to_keep=1)
         st["pos"] += t
         return out.logits
 
@@ -141,7 +147,7 @@ def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, d
 
         workdir = tempfile.TemporaryDirectory(prefix="kvtrace-bench-")
         path = Path(workdir.name) / f"{backend}.kvt"
-        export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend)
+        export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last")
     else:
         from kvtrace._build import cached_artifact
 

@@ -25,10 +25,12 @@ class BuildResult:
     seconds: float  # export + compile time, 0 on a cache hit
 
 
-def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, batch_size: int) -> str:
+def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, batch_size: int,
+                 prefill_logits: str = "last") -> str:
     from kvtrace import __version__
 
-    blob = json.dumps([digest, backend, max_seq_len, dtype, batch_size, __version__, torch.__version__])
+    blob = json.dumps([digest, backend, max_seq_len, dtype, batch_size, __version__, torch.__version__,
+                       *([] if prefill_logits == "all" else [prefill_logits])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -41,19 +43,21 @@ def _artifacts_dir() -> Path:
 
 
 def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "float32",
-                    batch_size: int = 1, progress: Any = None) -> BuildResult:
-    """The artifact for ``source`` with these options, exporting it on a cache miss."""
+                    batch_size: int = 1, prefill_logits: str = "last", progress: Any = None) -> BuildResult:
+    """The artifact for ``source`` with these options, exporting it on a cache miss. Its prefill returns
+    the last position's logits by default (what a generation samples from; see ``export``)."""
     from kvtrace._export import export
     from kvtrace._sources import resolve_source
 
     src = resolve_source(source)
-    key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size)
+    key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
+                       prefill_logits=prefill_logits)
     path = _artifacts_dir() / f"{src.name}-{backend}-{key}.kvt"
     if path.is_file():
         return BuildResult(path, True, 0.0)
     t0 = time.perf_counter()
     export(src, path, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size, backend=backend,
-           progress=progress)
+           prefill_logits=prefill_logits, progress=progress)
     return BuildResult(path, False, time.perf_counter() - t0)
 
 

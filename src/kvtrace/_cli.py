@@ -168,7 +168,7 @@ def cmd_export(args: argparse.Namespace, ui: _UI) -> int:
 
     t0 = time.perf_counter()
     path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
-                  image_tokens=args.image_tokens, progress=ui.step)
+                  image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step)
     info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
     if ui.json_mode:
         print(json.dumps(info))
@@ -283,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-tokens", type=int, default=None, metavar="N",
                    help="vision decoders (Llama 3.2 Vision): image tokens N of cross_attention_states [B, N, dim] "
                         "(default 6404 = 4 tiles x 1601)")
+    p.add_argument("--prefill-logits", choices=("last", "all"), default="last",
+                   help="last (default): prefill returns the last position's logits, all a generation needs "
+                        "(the vocabulary projection runs on one row); all: every prompt position's, for scoring")
     p.set_defaults(func=cmd_export)
 
     p = add("run", "Generate from an exported artifact (no transformers needed).")

@@ -54,6 +54,8 @@ def hf_cache_spec(config: Any, *, max_seq_len: int, batch_size: int, dtype: torc
 class HFDecoder(torch.nn.Module):
     """An HF causal LM as a Decoder over a declared static cache."""
 
+    last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): HF's logits_to_keep=1
+
     def __init__(self, model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1):
         super().__init__()
         from transformers import StaticCache
@@ -93,9 +95,10 @@ class HFDecoder(torch.nn.Module):
             position_ids=input_pos.unsqueeze(0).expand(tokens.shape[0], -1),  # [B, T]
             use_cache=True,
             return_dict=True,
+            **({"logits_to_keep": 1} if self.last_logits else {}),
             **{self._cache_kw: cache},
         )
-        return out.logits  # [B, T, V]
+        return out.logits  # [B, T or 1, V]
 
 
 def make_decoder(model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1,

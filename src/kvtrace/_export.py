@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import os
 import tempfile
@@ -25,27 +26,29 @@ import torch
 
 from kvtrace._artifact import BACKENDS, PACKED_MODEL, Manifest, ModelInfo, dedupe_weights, write_artifact
 from kvtrace._errors import CaptureError, KvtraceError, UsageError
-from kvtrace._program_spec import InputSpec, program_specs
+from kvtrace._program_spec import LOGITS, InputSpec, ProgramSpec, program_specs
 
 __all__ = ["capture_programs", "export"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def capture_programs(decoder: torch.nn.Module) -> dict[str, torch.export.ExportedProgram]:
-    """Export every program the decoder declares (``program_specs``): prefill (T symbolic), decode
-    (T = 1) and any others (e.g. a vision decoder's image prefill), all over the same cache signature."""
+def capture_programs(decoder: torch.nn.Module,
+                     programs: tuple[ProgramSpec, ...] | None = None) -> dict[str, torch.export.ExportedProgram]:
+    """Export every program the decoder declares (``program_specs``), or those given: prefill (T
+    symbolic), decode (T = 1) and any others (e.g. a vision decoder's image prefill), all over the same
+    cache signature."""
     from torch.export import Dim
 
     spec = decoder.cache_spec
     eps = {}
-    for p in program_specs(decoder):
+    for p in programs if programs is not None else program_specs(decoder):
         # example length >= 2 keeps T symbolic; a one-slot cache has nothing to be symbolic about
         # (and Dim refuses min == max), so its prefill is T = 1.
         t = 1 if p.single_token else min(3, spec.max_seq_len)
         args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t),
                 *(_example_input(i, spec.batch_size, t) for i in p.inputs), *spec.allocate())
-        method = _method_module(decoder, p.method)
+        method = _method_module(decoder, p)
         shapes = _dynamic_shapes(method, args, p.inputs, Dim("T", min=1, max=spec.max_seq_len)) if t > 1 else None
         with torch.no_grad():
             eps[p.name] = torch.export.export(method, args, dynamic_shapes=shapes, strict=False)
@@ -56,17 +59,35 @@ def _example_input(i: InputSpec, batch: int, t: int) -> torch.Tensor:
     return torch.full(i.concrete(batch, t), i.default if i.default is not None else 0.0, dtype=i.torch_dtype)
 
 
-def _method_module(decoder: torch.nn.Module, method: str) -> torch.nn.Module:
-    """``decoder`` itself, or a shallow copy whose ``forward`` is another method: the same parameter
-    objects under the same names, so every program shares one weight set."""
-    if method == "forward":
+def _method_module(decoder: torch.nn.Module, program: ProgramSpec) -> torch.nn.Module:
+    """``decoder`` itself, or a shallow copy whose ``forward`` is another method and/or whose
+    ``last_logits`` is set: the same parameter objects under the same names, so every program shares
+    one weight set."""
+    method, last = program.method, program.logits == "last"
+    if method == "forward" and not last:
         return decoder
     fn = getattr(decoder, method, None)
     if not callable(fn):
         raise CaptureError(f"{type(decoder).__name__} declares a program of method {method!r}, which it lacks")
     alias = copy.copy(decoder)
-    alias.forward = fn
+    if last:
+        alias.last_logits = True
+    alias.forward = getattr(alias, method)  # bound to the copy, so it sees last_logits
     return alias
+
+
+def with_prefill_logits(programs: tuple[ProgramSpec, ...], logits: str, decoder: torch.nn.Module
+                        ) -> tuple[ProgramSpec, ...]:
+    """The programs with ``logits`` applied to every T-symbolic one (decode returns one row either way)."""
+    if logits not in LOGITS:
+        raise UsageError(f"prefill_logits must be one of {LOGITS}, got {logits!r}")
+    if logits == "last" and not hasattr(type(decoder), "last_logits"):
+        raise UsageError(
+            f"prefill_logits='last' needs a Decoder that can run its head on the last position only (a class "
+            f"attribute last_logits, as LlamaDecoder, MllamaDecoder and HFDecoder have); {type(decoder).__name__} "
+            "has none. Export with prefill_logits='all'"
+        )
+    return tuple(p if p.single_token else dataclasses.replace(p, logits=logits) for p in programs)
 
 
 def _dynamic_shapes(fn: torch.nn.Module, args: tuple[Any, ...], inputs: tuple[InputSpec, ...],
@@ -115,7 +136,7 @@ def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Te
 
 
 def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
-                   weights: dict[str, torch.Tensor]) -> dict[str, bytes]:
+                   dtype: torch.dtype = torch.float32) -> dict[str, bytes]:
     if backend == "exported":
         from torch._export.serde.serialize import serialize
 
@@ -135,7 +156,7 @@ def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
     with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
         files = {}
         for name, ep in eps.items():
-            opts = {**inductor_options(packed), "aot_inductor.package": True,
+            opts = {**inductor_options(packed, dtype), "aot_inductor.package": True,
                     "aot_inductor.model_name_for_generated_files": name}
             with torch.compiler.config.patch(force_disable_caches=packed) if packed else contextlib.nullcontext():
                 files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
@@ -198,6 +219,7 @@ def export(
     batch_size: int = 1,
     backend: str = "exported",
     image_tokens: int | None = None,
+    prefill_logits: str = "all",
     progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """Export a decoder with its KV cache to one artifact file.
@@ -212,13 +234,17 @@ def export(
         dtype: ``"float32"`` or ``"bfloat16"``.
         batch_size: rows per call (static).
         backend: ``"exported"`` (portable torch.export programs), ``"aoti"`` (AOTInductor-compiled) or
-            ``"aoti-packed"`` (AOTInductor with frozen weights prepacked for Inductor's CPU GEMM templates,
-            max-autotune: the fastest decode, notably in bfloat16 on CPUs with AMX; one program serves
-            prefill and decode and carries the weights, so the artifact holds no separate weights file;
-            slower to compile; decoders with only prefill and decode programs).
+            ``"aoti-packed"`` (AOTInductor with the weights frozen into the program and prepacked for the CPU
+            matmul kernels — in bf16 also max-autotune over Inductor's GEMM templates (AMX): the fastest
+            decode; one program serves prefill and decode and carries the weights, so the artifact holds no
+            separate weights file; decoders with only prefill and decode programs; see ``inductor_options``).
         image_tokens: vision decoders only (Llama 3.2 Vision's ``MllamaForCausalLM``): N of the image
             features ``cross_attention_states [B, N, dim]`` the cross-attention cache holds
             (default 6404 = 4 tiles x 1601, as the HF processor pads every image).
+        prefill_logits: ``"all"`` — prefill returns logits ``[B, T, V]`` for every prompt position (what
+            the eager model returns); ``"last"`` — ``[B, 1, V]``, the last position only, which is all a
+            generation samples from: the vocabulary projection runs on one row instead of T (on the
+            default model ~20 % of a 37-token prefill's FLOPs). Recorded per program in the manifest.
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """
@@ -237,16 +263,18 @@ def export(
     with progress("loading model (GGUF is converted once, then cached)"):
         decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
                                                             batch_size=batch_size, image_tokens=image_tokens)
-    names = [p.name for p in program_specs(decoder)]
+    programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
+    names = [p.name for p in programs]
     if backend == "aoti-packed" and sorted(names) != ["decode", "prefill"]:
         raise UsageError(f"backend aoti-packed serves prefill and decode from one program; "
                          f"{info.model_name or type(decoder).__name__} declares programs {names}. Use --backend aoti")
     try:
         with progress("capturing programs (torch.export)"):
-            eps = capture_programs(decoder)
+            # aoti-packed compiles the prefill program alone (T symbolic; it serves decode too)
+            eps = capture_programs(decoder, tuple(p for p in programs if backend != "aoti-packed" or p.name == "prefill"))
             weights = _weights(eps)
         with progress("serializing programs" if backend == "exported" else f"compiling with AOTInductor ({backend})"):
-            files = _program_files(eps, backend, weights)
+            files = _program_files(eps, backend, decoder.cache_spec.torch_dtype)
     except KvtraceError:
         raise
     except Exception as e:
@@ -254,14 +282,14 @@ def export(
             f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {type(e).__name__}: {e}"
         ) from e
     unique, aliases = dedupe_weights(weights) if backend != "aoti-packed" else ({}, {})  # packed: in the program
-    vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["decode"])
+    vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
     from kvtrace import __version__
 
     manifest = Manifest(
         backend=backend,
         cache_spec=decoder.cache_spec,
         vocab_size=vocab,
-        programs={p.name: p for p in program_specs(decoder)},
+        programs={p.name: p for p in programs},
         **asdict(info),
         generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
         weight_aliases=aliases,

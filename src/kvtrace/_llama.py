@@ -109,6 +109,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 class LlamaDecoder(nn.Module):
     """A Llama-family Decoder whose weights come from an HF model (fused, stored once)."""
 
+    last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
+
     def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         super().__init__()
         dtype = spec.torch_dtype
@@ -132,7 +134,9 @@ class LlamaDecoder(nn.Module):
         mask = torch.arange(s, device=tokens.device)[None, :] <= input_pos[:, None]  # [T, S]
         for i, layer in enumerate(self.layers):
             x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, state[2 * i], state[2 * i + 1])
-        return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T, V]
+        if self.last_logits:
+            x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
+        return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T or 1, V]
 
     @classmethod
     def from_hf(cls, model: nn.Module, spec: CacheSpec) -> LlamaDecoder:

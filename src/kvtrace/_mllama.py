@@ -148,6 +148,8 @@ def _cross_block(a: LlamaArgs, layer: _CrossLayer, x: torch.Tensor, k: torch.Ten
 class MllamaDecoder(nn.Module):
     """Llama 3.2 Vision text decoder as a Decoder with three programs (module docstring)."""
 
+    last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
+
     def __init__(self, a: LlamaArgs, cross: tuple[int, ...], spec: CacheSpec, embed_rows: int,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         super().__init__()
@@ -210,7 +212,9 @@ class MllamaDecoder(nn.Module):
         if image is not None:
             mask_row.copy_(m[:, -1])  # later tokens see what the last prompt token saw
             active.fill_(1)
-        return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T, V]
+        if self.last_logits:
+            x = x[:, -1:]  # [B, 1, dim]
+        return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T or 1, V]
 
     @classmethod
     def from_hf(cls, model: nn.Module, spec: CacheSpec) -> MllamaDecoder:

@@ -9,7 +9,9 @@ Invariants (checked in ``__post_init__``):
   * input names are unique and none is ``tokens`` or ``input_pos``;
   * an input's shape holds ints (fixed sizes) and the symbols ``"B"`` (the batch) and ``"T"``
     (the call's token count); dtypes name torch dtypes;
-  * every decoder has a ``"prefill"`` and a ``"decode"`` program (``DEFAULT_PROGRAMS``).
+  * every decoder has a ``"prefill"`` and a ``"decode"`` program (``DEFAULT_PROGRAMS``);
+  * ``logits`` is ``"all"`` (``[B, T, V]``) or ``"last"`` (``[B, 1, V]``: the head runs on the last
+    position only, as HF ``generate`` computes it; a generation needs nothing else).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from kvtrace._errors import ArtifactError, UsageError
 __all__ = ["DEFAULT_PROGRAMS", "InputSpec", "ProgramSpec", "program_specs", "read_inputs_file"]
 
 SYMBOLS = ("B", "T")
+LOGITS = ("all", "last")
 
 
 @dataclass(frozen=True)
@@ -70,9 +73,12 @@ class ProgramSpec:
     inputs: tuple[InputSpec, ...] = field(default_factory=tuple)
     # Fills state that stays until reset() (e.g. cross-attention K/V of an image): at most once per session.
     once: bool = False
+    logits: str = "all"  # "all": logits [B, T, V]; "last": [B, 1, V], the last position's only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
+        if self.logits not in LOGITS:
+            raise UsageError(f"program {self.name}: logits must be one of {LOGITS}, got {self.logits!r}")
         names = [i.name for i in self.inputs]
         if len(set(names)) != len(names):
             raise UsageError(f"program {self.name}: input names must be unique, got {names}")
@@ -80,7 +86,8 @@ class ProgramSpec:
     def signature(self) -> str:
         t = "1" if self.single_token else "T"
         extra = "".join(f", {i.describe()}" for i in self.inputs)
-        return f"(tokens[B,{t}] int64, input_pos[{t}] int64{extra}, *cache) -> logits[B,{t},V]"
+        out = "1" if self.logits == "last" else t
+        return f"(tokens[B,{t}] int64, input_pos[{t}] int64{extra}, *cache) -> logits[B,{out},V]"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -39,8 +39,11 @@ class Session:
     """
 
     def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str = "cpu",
-                 vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None):
+                 vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None,
+                 prefill_logits: str = "all"):
         self.spec = spec
+        # "all": prefill returns logits [B, T, V]; "last": [B, 1, V] (the artifact's programs compute only that)
+        self.prefill_logits = prefill_logits
         self._prefill = prefill
         self._decode = decode
         self._extra = dict(extra or {})  # name -> (spec, program), programs taking named inputs
@@ -69,7 +72,8 @@ class Session:
         return {name: spec.inputs for name, (spec, _) in self._extra.items()}
 
     def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor | None) -> torch.Tensor:
-        """Run ``tokens [B, T]`` at positions ``position .. position+T-1``; returns logits ``[B, T, V]``.
+        """Run ``tokens [B, T]`` at positions ``position .. position+T-1``; returns logits ``[B, T, V]``,
+        or ``[B, 1, V]`` (the last position's) when ``prefill_logits == "last"``.
 
         ``inputs`` are the named extra inputs of a program the artifact declares, e.g. for a vision
         decoder ``cross_attention_states [B, N, dim]`` (and optionally ``cross_attention_mask [B, T, N]``).
