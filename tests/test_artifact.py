@@ -18,6 +18,7 @@ from conftest import tiny_model
 from kvtrace._artifact import FORMAT, VERSION, Manifest, write_artifact
 from kvtrace._decoder import hf_cache_spec
 from kvtrace._errors import ArtifactError, UsageError
+from kvtrace._llama import LIVE_PROGRAMS
 from kvtrace._program_spec import DEFAULT_PROGRAMS, ProgramSpec
 from kvtrace._tolerances import close, tolerance_for
 
@@ -76,7 +77,8 @@ def test_manifest_contents(built):
     assert raw["cache_spec"] == expected_spec.to_dict()
     assert raw["cache_spec"]["layout"] == "[B, H_kv, S, D]"
     assert m.max_seq_len == raw["cache_spec"]["max_seq_len"] == MAX_SEQ_LEN
-    assert m.programs == {p.name: p for p in DEFAULT_PROGRAMS}
+    assert m.programs == {p.name: p for p in LIVE_PROGRAMS}  # a Llama: attention over the live cache prefix
+    assert "key_pos[L] int64" in raw["programs"]["decode"]["signature"] and raw["programs"]["decode"]["key_pos"]
     assert set(raw["programs"]) == {"prefill", "decode"}
     assert "tokens[B,T]" in raw["programs"]["prefill"]["signature"] and "input_pos[T]" in m.programs["prefill"].signature()
     assert "tokens[B,1]" in raw["programs"]["decode"]["signature"] and "logits[B,1,V]" in m.programs["decode"].signature()

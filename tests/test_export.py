@@ -320,7 +320,7 @@ def test_export_to_a_directory_is_refused_before_capture(tmp_path, monkeypatch):
 def test_export_failing_half_way_leaves_nothing(tmp_path, monkeypatch):
     calls = []
 
-    def boom(decoder):
+    def boom(decoder, programs=None):
         calls.append(decoder)
         raise RuntimeError("boom half-way through capture")
 
@@ -509,3 +509,25 @@ def test_prefill_logits_is_checked(tmp_path):
     with pytest.raises(UsageError, match="needs a Decoder that can run its head on the last position only"):
         kvtrace.export(ToyDecoder(), tmp_path / "x.kvt", prefill_logits="last")
     assert not (tmp_path / "x.kvt").exists()
+
+
+# --- key_pos: attention over the live cache prefix only ----------------------------------------------
+def test_live_prefix_programs_read_L_slots_and_fill_the_cache_to_the_last_slot(tmp_path):
+    from kvtrace._decoder import make_decoder
+    from kvtrace._verify import EagerRunner, SessionRunner, verify
+
+    model = tiny_model("llama")
+    decoder = make_decoder(model, max_seq_len=16)
+    eps = _export.capture_programs(decoder)
+    for name, ep in eps.items():
+        sdpa = [n for n in ep.graph.nodes if "scaled_dot_product" in str(n.target)]
+        assert len(sdpa) == model.config.num_hidden_layers
+        keys = sdpa[0].args[1].meta["val"].shape[2]  # k: [B, H_kv, L, D]
+        assert not isinstance(keys, int), f"{name}: attention reads {keys} slots, not the symbolic live prefix L"
+    art = kvtrace.load(kvtrace.export(model, tmp_path / "m.kvt", max_seq_len=16))
+    assert all(p.key_pos for p in art.manifest.programs.values())
+    assert "key_pos[L] int64" in art.manifest.programs["decode"].signature()
+    # 6 prompt tokens + 10 decode steps: the last step writes and reads slot 15, L == max_seq_len
+    report = verify(EagerRunner(model), [SessionRunner(art.session(), "live")], [list(range(5, 11))], steps=10)
+    assert report.passed, report.summary()
+    assert report.rows[-1].position == 16

@@ -11,6 +11,8 @@ from kvtrace._decoder import HFDecoder, hf_cache_spec, make_decoder
 from kvtrace._llama import LlamaDecoder, supports
 from kvtrace._tolerances import close, tolerance_for
 
+TOL = tolerance_for(torch.float32)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -60,3 +62,38 @@ def test_other_architectures_use_the_general_decoder(arch):
 def test_sliding_window_is_not_claimed():
     model = tiny_model("mistral", sliding_window=4)
     assert not supports(model.config)
+
+
+def test_live_prefix_attention_equals_full_attention_up_to_the_last_slot():
+    """forward_live(key_pos = 0..L-1) reads only the live cache prefix; it must agree with forward (all S
+    slots, stale ones masked) at every position, the very last slot included (L == S)."""
+    model = tiny_model("llama")
+    s_max = 12
+    spec = hf_cache_spec(model.config, max_seq_len=s_max, batch_size=1, dtype=torch.float32)
+    dec = LlamaDecoder.from_hf(model, spec)
+    assert [(p.name, p.method, p.key_pos) for p in dec.programs] == [
+        ("prefill", "forward_live", True), ("decode", "forward_live", True)]
+    full, live = spec.allocate(), spec.allocate()
+    for t in full + live:
+        t.normal_()  # stale garbage in unwritten slots: the live path must never read it, the full path masks it
+    for t_live, t_full in zip(live, full, strict=True):
+        t_live.copy_(t_full)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        a = dec(ids, torch.arange(5), *full)
+        b = dec.forward_live(ids, torch.arange(5), torch.arange(5), *live)
+        assert close(b, a, TOL)[0]
+        for pos in range(5, s_max):  # decode to the last slot: L = pos + 1 = s_max at the end
+            tok = a[:, -1:].argmax(-1)
+            a = dec(tok, torch.tensor([pos]), *full)
+            b = dec.forward_live(tok, torch.tensor([pos]), torch.arange(pos + 1), *live)
+            assert close(b, a, TOL)[0], pos
+    for t_live, t_full in zip(live, full, strict=True):
+        assert close(t_live, t_full, TOL)[0]  # same writes (up to rounding in later layers) ...
+    assert torch.equal(live[0], full[0])  # ... layer 0's K exactly: its input does not depend on attention
+
+
+def test_small_caches_attend_to_every_slot():
+    model = tiny_model("llama")
+    dec = LlamaDecoder.from_hf(model, hf_cache_spec(model.config, max_seq_len=4, batch_size=1, dtype=torch.float32))
+    assert [p.key_pos for p in dec.programs] == [False, False]

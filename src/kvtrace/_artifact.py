@@ -180,7 +180,8 @@ class Artifact:
                  if n not in ("prefill", "decode")}
         return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
                        vocab_size=self.manifest.vocab_size, extra=extra,
-                       prefill_logits=self.manifest.programs["prefill"].logits)
+                       prefill_logits=self.manifest.programs["prefill"].logits,
+                       key_pos=self.manifest.programs["prefill"].key_pos)
 
     def tokenizer(self) -> Any:
         """The `tokenizers.Tokenizer` stored in the artifact (None if it has none)."""

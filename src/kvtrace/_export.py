@@ -46,10 +46,18 @@ def capture_programs(decoder: torch.nn.Module,
         # example length >= 2 keeps T symbolic; a one-slot cache has nothing to be symbolic about
         # (and Dim refuses min == max), so its prefill is T = 1.
         t = 1 if p.single_token else min(3, spec.max_seq_len)
-        args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t),
+        # key_pos [L]: an example L unequal to T (and >= 2) keeps L its own symbol
+        keys = (torch.arange(t + 2),) if p.key_pos else ()
+        if p.key_pos and spec.max_seq_len < t + 2:
+            raise CaptureError(f"program {p.name} takes key_pos, which needs max_seq_len >= {t + 2}; "
+                               f"this cache holds {spec.max_seq_len}")
+        args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t), *keys,
                 *(_example_input(i, spec.batch_size, t) for i in p.inputs), *spec.allocate())
         method = _method_module(decoder, p)
-        shapes = _dynamic_shapes(method, args, p.inputs, Dim("T", min=1, max=spec.max_seq_len)) if t > 1 else None
+        shapes = None
+        if t > 1 or p.key_pos:
+            shapes = _dynamic_shapes(method, args, p, Dim("T", min=1, max=spec.max_seq_len) if t > 1 else None,
+                                     Dim("L", min=1, max=spec.max_seq_len))
         with torch.no_grad():
             eps[p.name] = torch.export.export(method, args, dynamic_shapes=shapes, strict=False)
     return eps
@@ -90,23 +98,29 @@ def with_prefill_logits(programs: tuple[ProgramSpec, ...], logits: str, decoder:
     return tuple(p if p.single_token else dataclasses.replace(p, logits=logits) for p in programs)
 
 
-def _dynamic_shapes(fn: torch.nn.Module, args: tuple[Any, ...], inputs: tuple[InputSpec, ...],
-                    t: Any) -> tuple[Any, ...]:
-    """``dynamic_shapes`` shaped like ``fn.forward``'s parameters: T symbolic in tokens, input_pos and
-    every declared input dim named "T"; the cache is static.
+def _dynamic_shapes(fn: torch.nn.Module, args: tuple[Any, ...], program: ProgramSpec, t: Any,
+                    n_keys: Any) -> tuple[Any, ...]:
+    """``dynamic_shapes`` shaped like ``fn.forward``'s parameters: T symbolic (``t``; None for a
+    one-token program) in tokens, input_pos and every declared input dim named "T"; L (``n_keys``) in
+    key_pos; the cache is static.
 
     torch.export matches ``dynamic_shapes`` to the signature, so ``forward(tokens, input_pos, *state)``
     needs ``(tok, pos, (None, ...))`` while ``forward(tokens, input_pos, k0, v0, bias)`` needs a flat tuple.
     """
-    per_input = [{d: t for d, size in enumerate(i.shape) if size == "T"} or None for i in inputs]
-    flat = [{1: t}, {0: t}, *per_input, *[None] * (len(args) - 2 - len(inputs))]
+    inputs = program.inputs
+    per_input = [{d: t for d, size in enumerate(i.shape) if size == "T"} or None if t is not None else None
+                 for i in inputs]
+    keys = [{0: n_keys}] if program.key_pos else []
+    spine = [{1: t}, {0: t}] if t is not None else [None, None]
+    n_state = len(args) - 2 - len(keys) - len(inputs)
+    flat = [*spine, *keys, *per_input, *[None] * n_state]
     sig = inspect.signature(fn.forward)
     try:
         bound = sig.bind(*args).arguments
     except TypeError as e:
         raise CaptureError(
-            f"{type(fn).__name__}.forward{sig} cannot take (tokens, input_pos, {len(inputs)} input(s), *state) with "
-            f"{len(args) - 2 - len(inputs)} state tensors (its cache_spec's buffers): {e}"
+            f"{type(fn).__name__}.forward{sig} cannot take (tokens, input_pos, {'key_pos, ' if keys else ''}"
+            f"{len(inputs)} input(s), *state) with {n_state} state tensors (its cache_spec's buffers): {e}"
         ) from e
     out: list[Any] = []
     i = 0

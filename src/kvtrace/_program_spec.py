@@ -1,6 +1,7 @@
 """ProgramSpec: the declared signature of each program an artifact holds.
 
 Every program has the same spine — ``(tokens [B, T], input_pos [T], *inputs, *cache) -> logits [B, T, V]``
+(with ``key_pos [L]`` after ``input_pos`` when the program attends to the live cache prefix only)
 — and differs only in its token count (``T`` symbolic in ``[1, max_seq_len]`` or fixed at 1), in the
 extra inputs it takes between ``input_pos`` and the cache (e.g. the image features of a vision
 decoder's prefill), and in whether it fills state that then stays until ``reset()``.
@@ -11,7 +12,11 @@ Invariants (checked in ``__post_init__``):
     (the call's token count); dtypes name torch dtypes;
   * every decoder has a ``"prefill"`` and a ``"decode"`` program (``DEFAULT_PROGRAMS``);
   * ``logits`` is ``"all"`` (``[B, T, V]``) or ``"last"`` (``[B, 1, V]``: the head runs on the last
-    position only, as HF ``generate`` computes it; a generation needs nothing else).
+    position only, as HF ``generate`` computes it; a generation needs nothing else);
+  * ``key_pos``: the program takes ``key_pos [L] int64 = 0 .. L-1`` after ``input_pos``, L = the
+    position after the call (symbolic, 1..max_seq_len), and its self-attention reads cache slots
+    ``[0, L)`` only — the live prefix — instead of all max_seq_len slots. The caller (a Session) builds
+    it from its position; nothing in the program reads a length from a tensor's values.
 """
 
 from __future__ import annotations
@@ -74,6 +79,7 @@ class ProgramSpec:
     # Fills state that stays until reset() (e.g. cross-attention K/V of an image): at most once per session.
     once: bool = False
     logits: str = "all"  # "all": logits [B, T, V]; "last": [B, 1, V], the last position's only
+    key_pos: bool = False  # takes key_pos [L] after input_pos: attention reads cache slots [0, L) only
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -87,7 +93,8 @@ class ProgramSpec:
         t = "1" if self.single_token else "T"
         extra = "".join(f", {i.describe()}" for i in self.inputs)
         out = "1" if self.logits == "last" else t
-        return f"(tokens[B,{t}] int64, input_pos[{t}] int64{extra}, *cache) -> logits[B,{out},V]"
+        keys = ", key_pos[L] int64" if self.key_pos else ""
+        return f"(tokens[B,{t}] int64, input_pos[{t}] int64{keys}{extra}, *cache) -> logits[B,{out},V]"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,7 +1,8 @@
 """Session: owns one cache for one conversation over an artifact's compiled programs.
 
 The position advances in exactly one place (``_run``). Every position handed to a program is a
-tensor; the Session itself keeps a host-side int so it can refuse to run past ``max_seq_len``
+tensor (``input_pos``, and ``key_pos = 0 .. end-1`` for programs that attend to the live cache
+prefix only); the Session itself keeps a host-side int so it can refuse to run past ``max_seq_len``
 *before* touching the cache. Extra programs (e.g. a vision decoder's ``prefill_image``) are picked
 by the named inputs given to ``prefill`` and checked against their declared ``InputSpec`` first.
 """
@@ -40,8 +41,9 @@ class Session:
 
     def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str = "cpu",
                  vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None,
-                 prefill_logits: str = "all"):
+                 prefill_logits: str = "all", key_pos: bool = False):
         self.spec = spec
+        self._key_pos = key_pos  # prefill and decode take key_pos [L] after input_pos (ProgramSpec.key_pos)
         # "all": prefill returns logits [B, T, V]; "last": [B, 1, V] (the artifact's programs compute only that)
         self.prefill_logits = prefill_logits
         self._prefill = prefill
@@ -80,7 +82,7 @@ class Session:
         """
         inputs = {k: v for k, v in inputs.items() if v is not None}
         if not inputs:
-            return self._run(self._prefill, tokens, "prefill")
+            return self._run(self._prefill, tokens, "prefill", key_pos=self._key_pos)
         name, spec, program = self._pick(inputs)
         if spec.once and name in self._filled:
             raise UsageError(
@@ -89,7 +91,7 @@ class Session:
             )
         t = tokens.shape[1] if tokens.dim() == 2 else 0
         args = [_check_input(i, inputs.get(i.name), self.spec.batch_size, t, name) for i in spec.inputs]
-        logits = self._run(program, tokens, name, args)
+        logits = self._run(program, tokens, name, args, key_pos=spec.key_pos)
         if spec.once:
             self._filled.add(name)
         return logits
@@ -114,10 +116,10 @@ class Session:
         """Run one token ``[B, 1]``; returns logits ``[B, 1, V]``."""
         if token.dim() != 2 or token.shape[1] != 1:
             raise UsageError(f"decode takes one token per row, shape [B, 1]; got {list(token.shape)}")
-        return self._run(self._decode, token, "decode")
+        return self._run(self._decode, token, "decode", key_pos=self._key_pos)
 
     def _run(self, program: Program, tokens: torch.Tensor, what: str,
-             inputs: list[torch.Tensor] | None = None) -> torch.Tensor:
+             inputs: list[torch.Tensor] | None = None, key_pos: bool = False) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise UsageError(f"{what} takes integer token ids of shape [B, T]; got {tokens.dtype} {list(tokens.shape)}")
         b, t = tokens.shape
@@ -137,7 +139,8 @@ class Session:
                 f"max_seq_len={self.spec.max_seq_len}; reset(), rewind(), or export with a larger --max-seq-len"
             )
         input_pos = torch.arange(self._pos, end, dtype=torch.int64)  # [T] absolute positions
-        logits = program(tokens.to(torch.int64).contiguous(), input_pos, *(inputs or ()), *self._state)
+        keys = (torch.arange(end, dtype=torch.int64),) if key_pos else ()  # [L]: the live cache prefix
+        logits = program(tokens.to(torch.int64).contiguous(), input_pos, *keys, *(inputs or ()), *self._state)
         self._pos = end
         return logits
 
