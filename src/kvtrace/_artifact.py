@@ -151,7 +151,9 @@ def write_artifact(
             if tokenizer_json is not None:
                 zf.writestr("tokenizer.json", tokenizer_json)
             for name, blob in files.items():
-                zf.writestr(name, blob, compress_type=zipfile.ZIP_DEFLATED)
+                # level 1: a packed SmolLM2 fp32 program (517 MiB) deflates to 269 MiB in 9 s; level 6 (the
+                # default) gets 255 MiB in 55 s, most of a cold export's time budget
+                zf.writestr(name, blob, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
