@@ -531,3 +531,18 @@ def test_live_prefix_programs_read_L_slots_and_fill_the_cache_to_the_last_slot(t
     report = verify(EagerRunner(model), [SessionRunner(art.session(), "live")], [list(range(5, 11))], steps=10)
     assert report.passed, report.summary()
     assert report.rows[-1].position == 16
+
+
+@pytest.mark.compile
+def test_aoti_programs_of_another_cache_size_are_not_reused(tmp_path):
+    """An Inductor compile-cache hit once served a decode program compiled for 24 cache slots to an export
+    for 40 ("index out of bounds: 0 <= tmp7 < 24L" at position 24). Artifact compiles bypass the caches;
+    this exports the same model at two sizes in one process and decodes the second one to its last slot."""
+    from kvtrace._verify import EagerRunner, SessionRunner, verify
+
+    model = tiny_model("llama")
+    kvtrace.export(model, tmp_path / "s24.kvt", max_seq_len=24, backend="aoti")
+    art = kvtrace.load(kvtrace.export(model, tmp_path / "s40.kvt", max_seq_len=40, backend="aoti"))
+    report = verify(EagerRunner(model), [SessionRunner(art.session(), "s40")], [PROMPT[0].tolist()], steps=33)
+    assert report.passed, report.summary()
+    assert report.rows[-1].position == 40

@@ -11,6 +11,15 @@ import torch
 __all__ = ["aoti_compile", "aoti_load", "aoti_load_packed", "weights_of"]
 
 
+# Artifact compiles never come from Inductor's compile caches. Two cache hits returned programs built for
+# another graph: a packed SmolLM2 bf16 program with wrong prepacked weights (logits off by 147), and a
+# tiny Llama decode program taking key_pos [L] whose index bounds belonged to another max_seq_len
+# (compiled for 24 slots, run with 40: "index out of bounds: 0 <= tmp7 < 24L"; heap corruption in
+# another case). A fresh compile is right in both; an artifact is compiled once, then kvtrace's own
+# artifact cache serves it.
+EXPORT_NO_CACHE = {"force_disable_caches": True}
+
+
 def inductor_options(packed: bool = False, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """Inductor settings kvtrace compiles with (one place, reported by bench).
 
@@ -28,7 +37,7 @@ def inductor_options(packed: bool = False, dtype: torch.dtype = torch.float32) -
             "aot_inductor.package_constants_in_so": True,
             # Never from Inductor's compile caches: with frozen, prepacked weights a cache hit returned a program
             # computing with wrong weights (SmolLM2 bf16: logits off by 147; a fresh compile is right).
-            "force_disable_caches": True,
+            **EXPORT_NO_CACHE,
         }
         if dtype in (torch.bfloat16, torch.float16):
             opts.update({
@@ -39,6 +48,11 @@ def inductor_options(packed: bool = False, dtype: torch.dtype = torch.float32) -
             })
         return opts
     return {"aot_inductor.package_constants_in_so": False}
+
+
+def export_options(packed: bool, dtype: torch.dtype) -> dict[str, Any]:
+    """What an artifact's programs are compiled with: ``inductor_options`` without Inductor's caches."""
+    return {**inductor_options(packed, dtype), **EXPORT_NO_CACHE}
 
 
 def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLike[str]) -> Callable[..., Any]:

@@ -162,7 +162,7 @@ def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
         }
     from torch._inductor.package import package_aoti
 
-    from kvtrace._compile import inductor_options
+    from kvtrace._compile import export_options
 
     packed = backend == "aoti-packed"
     if packed:  # one program, T symbolic, serves prefill and decode: its prepacked weights exist once
@@ -170,9 +170,9 @@ def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
     with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
         files = {}
         for name, ep in eps.items():
-            opts = {**inductor_options(packed, dtype), "aot_inductor.package": True,
+            opts = {**export_options(packed, dtype), "aot_inductor.package": True,
                     "aot_inductor.model_name_for_generated_files": name}
-            with torch.compiler.config.patch(force_disable_caches=packed) if packed else contextlib.nullcontext():
+            with torch.compiler.config.patch(force_disable_caches=True):  # see _compile.EXPORT_NO_CACHE
                 files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
         pkg = Path(tmp) / "aoti.pt2"
         package_aoti(str(pkg), files)
