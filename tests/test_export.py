@@ -312,7 +312,7 @@ def test_extra_state_snapshot_restore_and_no_rewind(toy):
 
 # --- 5. export errors -------------------------------------------------------------------------
 def test_export_to_a_directory_is_refused_before_capture(tmp_path, monkeypatch):
-    monkeypatch.setattr(_export, "capture_programs", lambda d: pytest.fail("captured before checking the path"))
+    monkeypatch.setattr(_export, "capture_programs", lambda *a: pytest.fail("captured before checking the path"))
     with pytest.raises(UsageError, match=f"{tmp_path}.*is a directory"):
         kvtrace.export(ToyDecoder(), tmp_path)
 

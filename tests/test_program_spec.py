@@ -37,6 +37,16 @@ def test_program_spec_signature_and_checks():
     with pytest.raises(UsageError, match="including 'prefill' and 'decode'"):
         program_specs(OnlyPrefill())
 
+    class MixedKeys(torch.nn.Module):
+        programs = (ProgramSpec("prefill", key_pos=True), ProgramSpec("decode", single_token=True))
+
+    with pytest.raises(UsageError, match="must agree on key_pos; got prefill True, decode False"):
+        program_specs(MixedKeys())
+    with pytest.raises(UsageError, match="logits must be one of"):
+        ProgramSpec("p", logits="first")
+    assert "key_pos[L] int64" in ProgramSpec("p", key_pos=True, logits="last").signature()
+    assert ProgramSpec("p", key_pos=True, logits="last").signature().endswith("-> logits[B,1,V]")
+
 
 def test_read_inputs_file(tmp_path):
     from safetensors.torch import save_file

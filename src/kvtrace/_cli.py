@@ -311,7 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-fp32-reference", dest="fp32_reference", action="store_false", default=True,
                    help="bfloat16 only: judge against eager bf16 alone (by default a candidate may also pass a "
-                        "tensor by being no further from an fp32 run of the same weights than eager bf16 is)")
+                        "tensor by being no further from an fp32 run of the same weights than eager bf16 is; that "
+                        "fp32 copy of the model needs twice the bf16 model's memory)")
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--raw", dest="chat", action="store_false", default=True)
     p.add_argument("--image-features", default=None, metavar="FILE.safetensors",

@@ -10,7 +10,8 @@ Invariants (checked in ``__post_init__``):
   * input names are unique and none is ``tokens`` or ``input_pos``;
   * an input's shape holds ints (fixed sizes) and the symbols ``"B"`` (the batch) and ``"T"``
     (the call's token count); dtypes name torch dtypes;
-  * every decoder has a ``"prefill"`` and a ``"decode"`` program (``DEFAULT_PROGRAMS``);
+  * every decoder has a ``"prefill"`` and a ``"decode"`` program (``DEFAULT_PROGRAMS``), and the two
+    agree on ``key_pos`` (a Session, and aoti-packed's single program, serve both with one signature);
   * ``logits`` is ``"all"`` (``[B, T, V]``) or ``"last"`` (``[B, 1, V]``: the head runs on the last
     position only, as HF ``generate`` computes it; a generation needs nothing else);
   * ``key_pos``: the program takes ``key_pos [L] int64 = 0 .. L-1`` after ``input_pos``, L = the
@@ -125,6 +126,10 @@ def program_specs(decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
     names = [p.name for p in specs]
     if "prefill" not in names or "decode" not in names or len(set(names)) != len(names):
         raise UsageError(f"a Decoder declares unique programs including 'prefill' and 'decode'; got {names}")
+    by = {p.name: p for p in specs}
+    if by["prefill"].key_pos != by["decode"].key_pos:
+        raise UsageError(f"a Decoder's prefill and decode programs must agree on key_pos; got prefill "
+                         f"{by['prefill'].key_pos}, decode {by['decode'].key_pos}")
     return specs
 
 

@@ -228,7 +228,9 @@ class VerifyReport:
 
 def _max_or_none(xs: Any) -> float | None:
     vals = [x for x in xs if x is not None]
-    return max(vals) if vals else None
+    if not vals:
+        return None
+    return math.nan if any(math.isnan(v) for v in vals) else max(vals)
 
 
 def _finite(x: Any) -> Any:
@@ -296,8 +298,10 @@ def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand
             j = judge(c, r, tol, f)
             acc.append(j.diff)
             if not j.passed:
-                per_pos = (c.float() - r.float()).abs().amax(dim=(0, 1, 3))  # [P]
-                bad = (~(per_pos <= j.limit)).nonzero().flatten()
+                # positions over the limit of the route that decided: fp32's when it was tried, else eager's
+                base, lim = (f, j.fp32_limit) if j.fp32_limit is not None else (r, j.limit)
+                per_pos = (c.float() - base.float()).abs().amax(dim=(0, 1, 3))  # [P]
+                bad = (~(per_pos <= lim)).nonzero().flatten()
                 first = int(bad[0]) if bad.numel() else -1
                 worst = int(torch.nan_to_num(per_pos, nan=math.inf).argmax())
                 cache_failures.append(f"{j.describe(f'layer {i} {which}')} (first bad position {first}, worst {worst})")
