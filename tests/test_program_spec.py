@@ -60,3 +60,12 @@ def test_read_inputs_file(tmp_path):
     junk.write_bytes(b"not a safetensors file")
     with pytest.raises(UsageError, match=r"not a readable \.safetensors file"):
         read_inputs_file(junk)
+
+
+def test_a_manifest_from_a_newer_kvtrace_says_so():
+    from kvtrace._errors import ArtifactError
+
+    d = {**ProgramSpec("prefill").to_dict(), "speculative_heads": 4}
+    with pytest.raises(ArtifactError, match=r"field\(s\) \['speculative_heads'\].*written by a newer kvtrace"):
+        ProgramSpec.from_dict("prefill", d)
+    assert ProgramSpec.from_dict("prefill", ProgramSpec("prefill", key_pos=True).to_dict()).key_pos

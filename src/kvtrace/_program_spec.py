@@ -23,7 +23,7 @@ Invariants (checked in ``__post_init__``):
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,15 @@ class ProgramSpec:
             if name not in ("prefill", "decode"):
                 raise ArtifactError(f"program {name!r} has no spec in the manifest; re-export the artifact")
             return ProgramSpec(name, single_token=name == "decode")
+        if isinstance(d, dict):
+            unknown = sorted(set(d) - {f.name for f in fields(cls)} - {"signature"})
+            if unknown:
+                from kvtrace import __version__
+
+                raise ArtifactError(
+                    f"program {name!r} in the manifest has field(s) {unknown} that kvtrace {__version__} does not "
+                    "know: the artifact was written by a newer kvtrace. Upgrade kvtrace, or re-export with this one"
+                )
         try:
             inputs = tuple(InputSpec(**{**i, "shape": tuple(i["shape"])}) for i in d.get("inputs", ()))
             rest = {k: v for k, v in d.items() if k not in ("inputs", "signature", "name")}
