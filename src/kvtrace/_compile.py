@@ -35,9 +35,6 @@ def inductor_options(packed: bool = False, dtype: torch.dtype = torch.float32) -
         opts: dict[str, Any] = {
             "freezing": True,
             "aot_inductor.package_constants_in_so": True,
-            # Never from Inductor's compile caches: with frozen, prepacked weights a cache hit returned a program
-            # computing with wrong weights (SmolLM2 bf16: logits off by 147; a fresh compile is right).
-            **EXPORT_NO_CACHE,
         }
         if dtype in (torch.bfloat16, torch.float16):
             opts.update({
