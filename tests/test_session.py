@@ -157,11 +157,13 @@ def test_snapshot_restore_round_trips(art):
 
 def test_restore_refuses_a_foreign_snapshot(art):
     s = art.session()
-    bad = Snapshot(3, tuple(t[:, :, :5].clone() for t in s.state))
+    bad = Snapshot(3, tuple(t[:, :, :5].clone() for t in s.state), identity=s.identity)  # right id, wrong shapes
     with pytest.raises(UsageError, match="same artifact"):
         s.restore(bad)
     with pytest.raises(UsageError, match="holds 1 tensors"):
-        s.restore(Snapshot(3, (s.state[0].clone(),)))
+        s.restore(Snapshot(3, (s.state[0].clone(),), identity=s.identity))
+    with pytest.raises(UsageError, match=r"unnamed session.*same artifact"):  # not taken from any session
+        s.restore(Snapshot(3, tuple(t.clone() for t in s.state)))
     assert s.position == 0
 
 
@@ -243,3 +245,120 @@ def test_int32_and_non_contiguous_tokens_are_accepted(art):
     strided = torch.stack([PROMPT_A, PROMPT_A + 1], dim=2)[..., 0]  # [1, 7] with stride 2
     assert not strided.is_contiguous() and torch.equal(strided, PROMPT_A)
     assert_close(art.session().prefill(strided), ref, "non-contiguous prompt")
+
+
+# --- 6. trust: arguments are checked before the cache is touched (issue #12) -------------------------
+def test_rewind_takes_whole_numbers_only(art):
+    s = art.session()
+    s.prefill(PROMPT_A)
+    for bad in (1.5, True, "2", None, torch.tensor(1.5)):
+        with pytest.raises(UsageError, match="whole number of tokens"):
+            s.rewind(bad)
+        assert s.position == 7
+    s.rewind(torch.tensor(2))  # an integer 0-dim tensor is an int
+    assert s.position == 5 and isinstance(s.position, int)
+
+
+def test_token_lists_are_accepted_like_tensors(art):
+    ref = art.session()
+    want = ref.prefill(PROMPT_A)
+    want_next = ref.decode(torch.tensor([[3]]))
+    s = art.session()
+    assert_close(s.prefill(PROMPT_A[0].tolist()), want, "prefill of a flat list")
+    assert_close(s.decode([[3]]), want_next, "decode of [[id]]")
+    assert_close(art.session().prefill(PROMPT_A.tolist()), want, "prefill of a list of rows")
+
+
+@pytest.mark.parametrize(
+    ("tokens", "match"),
+    [
+        ("hello", "token ids.*got str.*tokenizer"),
+        ([1.5, 2.0], "integer token ids; got float"),
+        ([[1, 2], [3]], "rows of different lengths"),
+        ([True, 2], "integer token ids; got bool"),
+        ([2**70], "does not fit in int64"),
+        (7, "token ids.*got int"),
+    ],
+)
+def test_bad_token_lists_are_refused_clearly(art, tokens, match):
+    s = art.session()
+    with pytest.raises(UsageError, match=match):
+        s.prefill(tokens)
+    assert s.position == 0
+
+
+def test_text_only_artifact_names_what_it_accepts(art):
+    s = art.session()
+    with pytest.raises(UsageError, match=r"input\(s\) \['attention_mask'\].*token ids only.*no attention_mask"):
+        s.prefill(PROMPT_A, attention_mask=torch.ones(1, 7, dtype=torch.long))
+    with pytest.raises(UsageError, match=r"\['pixel_values'\].*accepted named inputs: none"):
+        s.prefill(PROMPT_A, pixel_values=torch.zeros(1, 3))
+    assert s.position == 0
+
+
+def test_snapshot_is_tied_to_its_artifact(art, tmp_path):
+    s = art.session()
+    s.prefill(PROMPT_A)
+    snap = s.snapshot()
+    assert snap.identity == art.identity == s.identity
+    # the same file loaded again is the same artifact
+    again = kvtrace.load(art.path).session()
+    again.restore(snap)
+    assert again.position == 7
+    # another model with the very same cache shapes is not
+    other_path = tmp_path / "other.kvt"
+    kvtrace.export(tiny_model("llama", seed=1), other_path, max_seq_len=MAX_SEQ_LEN, backend="exported")
+    other = kvtrace.load(other_path).session()
+    assert [t.shape for t in other.state] == [t.shape for t in s.state]
+    with pytest.raises(UsageError, match="same artifact"):
+        other.restore(snap)
+    assert other.position == 0 and all(int(t.count_nonzero()) == 0 for t in other.state)
+
+
+@pytest.mark.parametrize("position", [-1, MAX_SEQ_LEN + 1, 2.5, True])
+def test_restore_refuses_an_impossible_position(art, position):
+    import dataclasses
+
+    s = art.session()
+    s.prefill(PROMPT_B)
+    forged = dataclasses.replace(s.snapshot(), position=position)
+    before = [t.clone() for t in s.state]
+    with pytest.raises(UsageError, match="snapshot position"):
+        s.restore(forged)
+    assert s.position == 4
+    assert_state_equal(s.state, before, "after a refused restore")
+
+
+def test_concurrent_use_of_one_session_raises_instead_of_interleaving():
+    """A second thread calling into a busy session gets a UsageError; the first call completes intact."""
+    import threading
+
+    from kvtrace._cache_spec import CacheSpec, LayerKind, LayerSpec
+    from kvtrace._session import Session
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(tokens, input_pos, *state):  # a program that waits until the test lets it finish
+        inside.set()
+        assert release.wait(10)
+        state[0][:, :, input_pos] += 1
+        return torch.zeros(tokens.shape[0], tokens.shape[1], 4)
+
+    spec = CacheSpec(layers=(LayerSpec(LayerKind.FULL, 1, 2, 8),), batch_size=1, max_seq_len=8, dtype="float32")
+    s = Session(spec, slow, slow)
+    errors: list[BaseException] = []
+    t = threading.Thread(target=lambda: s.prefill([[1, 2, 3]]))
+    t.start()
+    assert inside.wait(10)
+    for call in (lambda: s.decode([[1]]), lambda: s.prefill([1]), s.reset, lambda: s.rewind(1), s.snapshot):
+        try:
+            call()
+        except UsageError as e:
+            errors.append(e)
+    release.set()
+    t.join(10)
+    assert len(errors) == 5 and all("another thread" in str(e) for e in errors)
+    assert s.position == 3  # the first call's update, and nothing else
+    assert s.state[0][0, 0, :, 0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
+    s.decode([[4]])  # free again once the first call returned
+    assert s.position == 4

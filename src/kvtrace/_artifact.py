@@ -183,7 +183,14 @@ class Artifact:
         return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
                        vocab_size=self.manifest.vocab_size, extra=extra,
                        prefill_logits=self.manifest.programs["prefill"].logits,
-                       key_pos=self.manifest.programs["prefill"].key_pos)
+                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity)
+
+    @property
+    def identity(self) -> str:
+        """``artifact:<sha256 of the manifest>[:16]``: what a Session's snapshots are tied to (same file, same id)."""
+        import hashlib
+
+        return "artifact:" + hashlib.sha256(self.manifest.to_json().encode()).hexdigest()[:16]
 
     def tokenizer(self) -> Any:
         """The `tokenizers.Tokenizer` stored in the artifact (None if it has none)."""
