@@ -362,3 +362,22 @@ def test_concurrent_use_of_one_session_raises_instead_of_interleaving():
     assert s.state[0][0, 0, :, 0].tolist() == [1, 1, 1, 0, 0, 0, 0, 0]
     s.decode([[4]])  # free again once the first call returned
     assert s.position == 4
+
+
+def test_every_tensor_a_program_gets_lives_on_the_sessions_device():
+    """Positions, tokens and named inputs are built on the state's device (here `meta`: no GPU needed)."""
+    from kvtrace._cache_spec import CacheSpec, LayerKind, LayerSpec
+    from kvtrace._session import Session
+
+    seen: list[str] = []
+
+    def program(*args):
+        seen.extend(str(a.device) for a in args)
+        return torch.empty(1, args[0].shape[1], 4, device="meta")
+
+    spec = CacheSpec(layers=(LayerSpec(LayerKind.FULL, 1, 2, 8),), batch_size=1, max_seq_len=8, dtype="float32")
+    s = Session(spec, program, program, device="meta", key_pos=True)
+    s.prefill([[1, 2, 3]])
+    s.decode(torch.tensor([[4]]))
+    assert seen and set(seen) == {"meta"}, seen
+    assert s.position == 4

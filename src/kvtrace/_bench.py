@@ -12,6 +12,7 @@ Every backend computes what a generation needs and no more: HF backends are call
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import json
 import statistics
@@ -101,7 +102,10 @@ class _Stepper:
 def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: int | None) -> _Stepper:
     from transformers import DynamicCache, StaticCache
 
+    from kvtrace._hf_cache import cache_kwarg_name
+
     st: dict[str, Any] = {}
+    cache_kw = cache_kwarg_name(model)  # transformers 5 spells it cache=; past_key_values= is deprecated
 
     def reset() -> None:
         st["cache"] = StaticCache(config=model.config, max_cache_len=static_len) if static_len else DynamicCache()
@@ -111,13 +115,20 @@ def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: in
         t = ids.shape[1]
         pos = torch.arange(st["pos"], st["pos"] + t).unsqueeze(0)
         # logits_to_keep=1: the last position's logits only, as HF generate computes them
-        out = call(input_ids=ids, position_ids=pos, past_key_values=st["cache"], use_cache=True, return_dict=True,
+        out = call(input_ids=ids, position_ids=pos, **{cache_kw: st["cache"]}, use_cache=True, return_dict=True,
                    logits_to_keep=1)
         st["pos"] += t
         return out.logits
 
     reset()
     return _Stepper(step, step, reset)
+
+
+def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` in ``dtype`` without touching the caller's model (``Module.to`` converts in place)."""
+    if all(p.dtype == dtype for p in model.parameters() if p.is_floating_point()):
+        return model
+    return copy.deepcopy(model).to(dtype)
 
 
 def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str) -> _Stepper:
@@ -247,7 +258,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
 
                 m = load_model(model_source, dtype=DTYPES[dtype]).model
             else:
-                m = model.to(DTYPES[dtype])
+                m = _in_dtype(model, DTYPES[dtype])
             load_s = time.perf_counter() - t0
             for plen in prompt_lens:
                 if plen + new_tokens > max_seq_len:

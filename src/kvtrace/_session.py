@@ -78,6 +78,7 @@ class Session:
         self._decode = decode
         self._extra = dict(extra or {})  # name -> (spec, program), programs taking named inputs
         self._vocab = vocab_size  # when known, token ids are checked against it before a program runs
+        self._device = torch.device(device)  # where the state lives, and so every tensor a program gets
         self._state = spec.allocate(device)  # [B, H_kv, S, D] per k/v buffer, then extras
         self._pos = 0
         self._filled: set[str] = set()  # `once` programs run since reset()
@@ -187,9 +188,11 @@ class Session:
                 f"{what} of {t} token(s) at position {self._pos} needs {end} cache slots, but the cache holds "
                 f"max_seq_len={self.spec.max_seq_len}; reset(), rewind(), or export with a larger --max-seq-len"
             )
-        input_pos = torch.arange(self._pos, end, dtype=torch.int64)  # [T] absolute positions
-        keys = (torch.arange(end, dtype=torch.int64),) if key_pos else ()  # [L]: the live cache prefix
-        logits = program(tokens.to(torch.int64).contiguous(), input_pos, *keys, *(inputs or ()), *self._state)
+        dev = self._device
+        input_pos = torch.arange(self._pos, end, dtype=torch.int64, device=dev)  # [T] absolute positions
+        keys = (torch.arange(end, dtype=torch.int64, device=dev),) if key_pos else ()  # [L]: the live cache prefix
+        tokens = tokens.to(device=dev, dtype=torch.int64).contiguous()
+        logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *self._state)
         self._pos = end
         return logits
 
