@@ -51,6 +51,20 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
     return model.to(dtype)
 
 
+# Phi-3 with LongRoPE (Phi-3-mini-128k style): short factors up to position 16, long factors past it.
+# HF's rotary layer computes long_inv_freq on its first forward and stores it as a plain attribute.
+LONGROPE_ORIGINAL = 16
+
+
+def tiny_phi3_longrope(dtype: torch.dtype = torch.float32, seed: int = 0):
+    """A freshly built tiny Phi-3 with ``rope_type="longrope"`` (never called: long_inv_freq not yet set)."""
+    half = TINY["hidden_size"] // TINY["num_attention_heads"] // 2  # one factor per rotary frequency
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0,
+            "short_factor": [1.0 + 0.05 * i for i in range(half)], "long_factor": [1.5 + 0.5 * i for i in range(half)],
+            "original_max_position_embeddings": LONGROPE_ORIGINAL}
+    return tiny_model("phi3", dtype, seed, rope_parameters=rope, max_position_embeddings=64)
+
+
 @pytest.fixture
 def llama():
     return tiny_model("llama")

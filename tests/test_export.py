@@ -15,7 +15,7 @@ import safetensors.torch
 import torch
 
 import kvtrace
-from conftest import tiny_model
+from conftest import tiny_model, tiny_phi3_longrope
 from kvtrace import _export
 from kvtrace._artifact import Artifact
 from kvtrace._cache_spec import BufferSpec, CacheSpec, LayerKind, LayerSpec
@@ -77,6 +77,8 @@ class Tiny:
 TINY_CASES = [
     pytest.param(("llama", "exported"), id="llama-exported"),
     pytest.param(("qwen2", "exported"), id="qwen2-exported"),
+    # exported fresh (HF sets rotary_emb.long_inv_freq on the first forward); decodes cross into the long factors
+    pytest.param(("phi3-longrope", "exported"), id="phi3-longrope-exported"),
     pytest.param(("llama", "aoti"), id="llama-aoti", marks=pytest.mark.compile),
 ]
 
@@ -84,7 +86,7 @@ TINY_CASES = [
 @pytest.fixture(scope="module", params=TINY_CASES)
 def tiny(request, tmp_path_factory) -> Tiny:
     arch, backend = request.param
-    model = tiny_model(arch)
+    model = tiny_phi3_longrope() if arch == "phi3-longrope" else tiny_model(arch)
     path = tmp_path_factory.mktemp(f"{arch}-{backend}") / "tiny.kvt"
     kvtrace.export(model, path, max_seq_len=MAX_SEQ_LEN, backend=backend)
     return Tiny(arch, backend, model, path, kvtrace.load(path))

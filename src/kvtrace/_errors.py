@@ -10,6 +10,7 @@ __all__ = [
     "SourceError",
     "UnsupportedError",
     "UsageError",
+    "one_line",
 ]
 
 
@@ -42,3 +43,10 @@ class CacheOverflowError(UsageError):
 
 class ArtifactError(KvtraceError):
     """An artifact file is corrupt, truncated, or of an unknown manifest version."""
+
+
+def one_line(e: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` of a foreign exception, for a kvtrace message (torch's often
+    carry stack traces of their own; the full text stays on the chained ``__cause__``)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0][:limit]}" if lines else type(e).__name__

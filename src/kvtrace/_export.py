@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from kvtrace._artifact import BACKENDS, PACKED_MODEL, Manifest, ModelInfo, dedupe_weights, write_artifact
-from kvtrace._errors import CaptureError, KvtraceError, UsageError
+from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
+from kvtrace._preserve import preserved
 from kvtrace._program_spec import LOGITS, InputSpec, ProgramSpec, program_specs
 
 __all__ = ["capture_programs", "export"]
@@ -37,7 +38,7 @@ def capture_programs(decoder: torch.nn.Module,
                      programs: tuple[ProgramSpec, ...] | None = None) -> dict[str, torch.export.ExportedProgram]:
     """Export every program the decoder declares (``program_specs``), or those given: prefill (T
     symbolic), decode (T = 1) and any others (e.g. a vision decoder's image prefill), all over the same
-    cache signature."""
+    cache signature. Each capture leaves ``decoder`` (and the HF model it wraps) as it was (``preserved``)."""
     from torch.export import Dim
 
     spec = decoder.cache_spec
@@ -58,7 +59,7 @@ def capture_programs(decoder: torch.nn.Module,
         if t > 1 or p.key_pos:
             shapes = _dynamic_shapes(method, args, p, Dim("T", min=1, max=spec.max_seq_len) if t > 1 else None,
                                      Dim("L", min=1, max=spec.max_seq_len))
-        with torch.no_grad():
+        with torch.no_grad(), preserved(decoder, what=f"the model ({type(decoder).__name__})"):
             eps[p.name] = torch.export.export(method, args, dynamic_shapes=shapes, strict=False)
     return eps
 
@@ -293,7 +294,7 @@ def export(
         raise
     except Exception as e:
         raise CaptureError(
-            f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {type(e).__name__}: {e}"
+            f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {one_line(e)}"
         ) from e
     unique, aliases = dedupe_weights(weights) if backend != "aoti-packed" else ({}, {})  # packed: in the program
     vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])

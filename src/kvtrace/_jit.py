@@ -36,6 +36,7 @@ import torch
 from kvtrace import _hf_cache as hfc
 from kvtrace._errors import CacheOverflowError, CaptureError, KvtraceError, UnsupportedError, UsageError
 from kvtrace._hf_cache import CacheKind
+from kvtrace._preserve import preserved
 
 __all__ = ["CallKey", "JitStats", "JittedModel", "jit"]
 
@@ -431,7 +432,8 @@ class JittedModel:
                                           self._cache_dtype(call), torch.device(call.key.device))
         step = _Step(self.model, call.key, self._n_layers, self._cache_kw, template)
         examples, shapes = self._examples(call, exact)
-        ep = torch.export.export(step, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
+        with preserved(self.model, what=f"the model ({type(self.model).__name__})"):  # never the caller's state
+            ep = torch.export.export(step, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
         # Which intended-symbolic dims did the trace bake in as constants?
         placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(examples):]
         baked = []
