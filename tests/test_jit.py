@@ -18,7 +18,7 @@ from transformers import DynamicCache, StaticCache
 
 import kvtrace
 import kvtrace._jit
-from conftest import ARCHS, TINY, tiny_model
+from conftest import ARCHS, LONGROPE_ORIGINAL, TINY, tiny_model, tiny_phi3_longrope
 from kvtrace._tolerances import close, tolerance_for
 
 PROMPT = [[128000, 791, 1401, 311, 2324, 374]]  # Llama-3 token ids, <|begin_of_text|> first
@@ -256,6 +256,24 @@ def test_architectures_greedy_decode(arch, dtype, batch):
         assert_caches_close(jc, ec, dtype, valid=mask)
         ids, mask = greedy(eo.logits), grow(mask)
     assert jm.stats.captures == 2
+
+
+def test_phi3_longrope_captured_fresh_matches_eager_past_the_switch():
+    """Phi-3 LongRoPE sets rotary_emb.long_inv_freq on its first forward: here the first forward is jit's
+    trace. The caller's model keeps no FakeTensor, eager keeps working, and both programs match eager on
+    both sides of the short/long factor switch."""
+    model = tiny_phi3_longrope()
+    jm = kvtrace.jit(model, backend="eager")
+    jc, ec = DynamicCache(), DynamicCache()
+    ids = tokens(1, 6)
+    for i in range(LONGROPE_ORIGINAL):  # positions 0..5, then 6..20: past the original 16
+        jo, eo = step(jm, model, jc, ec, input_ids=ids)
+        assert_close(jo.logits, eo.logits, torch.float32, f"logits, call {i} (position {jc.get_seq_length() - 1})")
+        assert_caches_close(jc, ec, torch.float32)
+        ids = greedy(eo.logits)
+    assert jc.get_seq_length() > LONGROPE_ORIGINAL + 1
+    assert jm.stats.captures == 2
+    assert type(model.model.rotary_emb.long_inv_freq) is torch.Tensor  # eager's own, real
 
 
 # --- strided inputs: a sliced position_ids, a cropped cache -----------------------------------------

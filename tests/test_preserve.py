@@ -74,8 +74,8 @@ def fingerprint(obj: Any, path: str = "", out: dict[str, Any] | None = None,
         out[path] = (type(obj).__name__, id(obj), tuple(map(str, obj)))
         for k, v in obj.items():
             fingerprint(v, f"{path}[{k!r}]", out, seen, depth + 1)
-    elif isinstance(obj, (list, tuple)):
-        out[path] = (type(obj).__name__, id(obj), len(obj))
+    elif isinstance(obj, (list, tuple)):  # a tuple is immutable: its contents are its identity
+        out[path] = (type(obj).__name__, id(obj) if isinstance(obj, list) else None, len(obj))
         for i, v in enumerate(obj):
             fingerprint(v, f"{path}[{i}]", out, seen, depth + 1)
     elif isinstance(obj, (set, frozenset)):

@@ -34,8 +34,9 @@ plain attributes), which a copy does not retarget, so a trace through them would
 originals, silently; and a copy must itself preserve aliasing (tied weights, shared submodules).
 Restoring keeps the caller's module identities — what torch.export names state by and what
 ``kvtrace.jit``'s weights token reads — and completes torch.export's own snapshot/restore.
-Cost: one walk over the modules and a shallow copy of each ``__dict__`` (well under 1 ms per 100
-modules); nothing proportional to the weights.
+Cost: a walk over the modules and a shallow copy of each ``__dict__`` and its containers, about
+0.1 ms per module (~45 ms for a 30-layer Phi-3's 367 modules, next to seconds of tracing); nothing
+proportional to the weights.
 """
 
 from __future__ import annotations
@@ -71,13 +72,7 @@ class ModelSnapshot:
     """The state of every module reachable from ``roots`` (see the module docstring for what is kept)."""
 
     def __init__(self, *roots: torch.nn.Module):
-        self._states: list[_ModuleState] = []
-        seen: set[int] = set()
-        for root in roots:
-            for path, mod in root.named_modules(remove_duplicate=False):
-                if id(mod) not in seen:
-                    seen.add(id(mod))
-                    self._states.append(_record(mod, path))
+        self._states = [_record(mod, path) for path, mod in _tree(roots)]
 
     def restore(self) -> list[str]:
         """Put every module back as recorded; return what could not be restored (empty when all was)."""
@@ -88,7 +83,7 @@ class ModelSnapshot:
             for name, t, version in s.versions:
                 if version is not None and _version(t) != version:
                     problems.append(f"{_where(s.path, name)} was written in place")
-        return problems + traced_leftovers(*(s.module for s in self._states))
+        return problems + _leftovers([(s.path, s.module) for s in self._states])
 
 
 @contextlib.contextmanager
@@ -118,19 +113,33 @@ def preserved(*roots: torch.nn.Module, what: str = "the model") -> Iterator[None
 
 def traced_leftovers(*roots: torch.nn.Module) -> list[str]:
     """Where a FakeTensor, functional tensor or symbolic number is reachable from the roots' modules."""
-    found: list[str] = []
+    return _leftovers(_tree(roots))
+
+
+def _tree(roots: tuple[torch.nn.Module, ...]) -> list[tuple[str, torch.nn.Module]]:
+    """(path, module) of every module under the roots, each once (``named_modules`` without its
+    nested generators, which cost O(modules x depth))."""
+    out: list[tuple[str, torch.nn.Module]] = []
     seen: set[int] = set()
-    for root in roots:
-        for path, mod in root.named_modules(remove_duplicate=False):
-            if id(mod) in seen:
-                continue
-            seen.add(id(mod))
-            for name, value in vars(mod).items():
-                if name in ("_parameters", "_buffers"):
-                    for key, t in value.items():
-                        _look(t, _where(path, key), found, 0)
-                elif name != "_modules":  # submodules are walked themselves
-                    _look(value, _where(path, name), found, 0)
+    stack = [("", r) for r in reversed(roots)]
+    while stack:
+        path, mod = stack.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out.append((path, mod))
+        stack += [(_where(path, n), c) for n, c in reversed(mod._modules.items()) if c is not None]
+    return out
+
+
+def _leftovers(modules: list[tuple[str, torch.nn.Module]]) -> list[str]:
+    found: list[str] = []
+    for path, mod in modules:
+        for name, value in vars(mod).items():
+            if name in ("_parameters", "_buffers"):
+                found += [f"{_where(path, key)}{hit}" for key, t in value.items() for hit in _traced_in(t)]
+            elif name != "_modules" and type(value) not in _PLAIN:  # submodules are walked themselves
+                found += [f"{_where(path, name)}{hit}" for hit in _traced_in(value)]
     return found
 
 
@@ -169,21 +178,27 @@ def _put_back(s: _ModuleState) -> None:
                 t.copy_(saved)
 
 
-def _look(value: Any, where: str, found: list[str], depth: int) -> None:
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+
+
+def _traced_in(value: Any, depth: int = 0) -> list[str]:
+    """' is a FakeTensor' (and the like) for ``value`` itself, '[key] is a ...' for what it holds."""
+    kind = type(value)
+    if kind in _PLAIN:
+        return []
     if isinstance(value, torch.Tensor):
-        if _is_traced(value):
-            found.append(f"{where} is a {type(value).__name__}")
-    elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        found.append(f"{where} is a {type(value).__name__}")
-    elif depth < _LOOK_DEPTH and isinstance(value, dict):
-        for k, v in list(value.items()):
-            _look(v, f"{where}[{k!r}]", found, depth + 1)
-    elif depth < _LOOK_DEPTH and isinstance(value, (list, tuple, set)):
-        for i, v in enumerate(list(value)):
-            _look(v, f"{where}[{i}]", found, depth + 1)
+        return [f" is a {kind.__name__}"] if _is_traced(value) else []
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return [f" is a {kind.__name__}"]
+    if depth >= _LOOK_DEPTH or not value or not isinstance(value, (dict, list, tuple, set)):
+        return []
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    return [f"[{k!r}]{hit}" for k, v in list(items) for hit in _traced_in(v, depth + 1)]
 
 
 def _is_traced(t: torch.Tensor) -> bool:
+    if type(t) in (torch.Tensor, torch.nn.Parameter) and not torch._is_functional_tensor(t):
+        return False  # the common case, without is_fake's subclass unwrapping
     from torch._subclasses.fake_tensor import is_fake
     from torch._subclasses.functional_tensor import FunctionalTensor
 
