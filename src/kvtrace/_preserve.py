@@ -190,8 +190,8 @@ def _traced_in(value: Any, depth: int = 0) -> list[str]:
         return [f" is a {kind.__name__}"] if _is_traced(value) else []
     if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
         return [f" is a {kind.__name__}"]
-    if depth >= _LOOK_DEPTH or not value or not isinstance(value, (dict, list, tuple, set)):
-        return []
+    if depth >= _LOOK_DEPTH or not isinstance(value, (dict, list, tuple, set)):
+        return []  # (an object's own truth value or length is never asked: it may raise)
     items = value.items() if isinstance(value, dict) else enumerate(value)
     return [f"[{k!r}]{hit}" for k, v in list(items) for hit in _traced_in(v, depth + 1)]
 
