@@ -6,12 +6,13 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import tiny_model
+from conftest import TINY, tiny_model
 from kvtrace._decoder import HFDecoder, hf_cache_spec, make_decoder
 from kvtrace._llama import LlamaDecoder, supports
 from kvtrace._tolerances import close, tolerance_for
 
 TOL = tolerance_for(torch.float32)
+TINY_HEAD_DIM = TINY["hidden_size"] // TINY["num_attention_heads"]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -97,3 +98,36 @@ def test_small_caches_attend_to_every_slot():
     model = tiny_model("llama")
     dec = LlamaDecoder.from_hf(model, hf_cache_spec(model.config, max_seq_len=4, batch_size=1, dtype=torch.float32))
     assert [p.key_pos for p in dec.programs] == [False, False]
+
+
+def test_length_dependent_rope_goes_through_the_general_decoder():
+    """longrope uses the long factors for *every* position once the sequence passes
+    original_max_position_embeddings; a position-indexed RoPE table built at export would be silently
+    wrong past it (LlamaDecoder was: 4.7e-4 max logits error on this tiny model, 1e-7 below the switch)."""
+    head_dim = TINY_HEAD_DIM
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * (head_dim // 2),
+            "long_factor": [4.0] * (head_dim // 2), "original_max_position_embeddings": 16}
+    model = tiny_model("llama", max_position_embeddings=64, rope_parameters=rope)
+    model.config.original_max_position_embeddings = 16
+    assert not supports(model.config)
+    dec = make_decoder(model, max_seq_len=64)
+    assert isinstance(dec, HFDecoder)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))  # past the switch at 16
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        out = dec(ids, torch.arange(40), *dec.cache_spec.allocate())
+    ok, diff, limit = close(out, ref, TOL)
+    assert ok, (diff, limit)
+
+
+def test_position_indexed_rope_variants_stay_on_llama_decoder():
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    model = tiny_model("llama", max_position_embeddings=64, rope_parameters=rope)
+    assert supports(model.config)
+    dec = make_decoder(model, max_seq_len=64)
+    assert isinstance(dec, LlamaDecoder)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ok, diff, limit = close(dec(ids, torch.arange(40), *dec.cache_spec.allocate()), model(input_ids=ids).logits, TOL)
+    assert ok, (diff, limit)

@@ -28,9 +28,14 @@ from kvtrace._cache_spec import CacheSpec
 from kvtrace._errors import UnsupportedError
 from kvtrace._program_spec import DEFAULT_PROGRAMS, ProgramSpec
 
-__all__ = ["LlamaArgs", "LlamaDecoder", "supports"]
+__all__ = ["LlamaArgs", "LlamaDecoder", "rope_type", "supports"]
 
 FAMILY = ("llama", "qwen2", "mistral")
+# RoPE variants whose frequencies depend on the whole sequence's length, not only on a position: HF's
+# longrope switches every position to the long factors once the sequence passes
+# original_max_position_embeddings, dynamic NTK rescales past max_position_embeddings. A table indexed by
+# input_pos cannot express that; such models go through HFDecoder, which traces HF's own rotary code.
+LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
 # Caches this small attend to every slot: nothing to save, and export needs example lengths L > T >= 2.
 MIN_LIVE_PREFIX = 8
 LIVE_PROGRAMS = (ProgramSpec("prefill", method="forward_live", key_pos=True),
@@ -60,7 +65,13 @@ def supports(config: Any) -> bool:
         return False
     if getattr(cfg, "mlp_bias", False) or (cfg.model_type == "llama" and getattr(cfg, "attention_bias", False)):
         return False
-    return True
+    return rope_type(cfg) not in LENGTH_DEPENDENT_ROPE
+
+
+def rope_type(cfg: Any) -> str:
+    """The config's RoPE variant: ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x), else "default"."""
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    return str(rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
 
 
 class _Layer(nn.Module):
