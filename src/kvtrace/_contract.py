@@ -21,7 +21,7 @@ import math
 import os
 import re
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,7 @@ class Condition:
     text: str  # e.g. "cache layer 1 keys.shape[2] <= 6"
     where: str = ""  # "model.py:12 in forward: if past > 6:" ("" for a placeholder's shape)
     symbols: tuple[str, ...] = ()
+    args: tuple[int, ...] = ()  # the arguments whose sizes it reads
 
 
 def frame_text(frame: traceback.FrameSummary | str | None) -> str:
@@ -55,12 +56,14 @@ def frame_text(frame: traceback.FrameSummary | str | None) -> str:
 class Contract:
     """Everything ``ep`` assumes about the shapes of its user inputs, as a cheap host-side check.
 
-    ``names``: one description per user input, in program order (for messages only).
+    ``names``: one description per user input, in program order (for messages only). ``waive``: conditions
+    the caller knows the program does not need (kept in ``waived``, not checked).
     Invariant: ``admits(shapes)`` is False for any argument shapes some recorded guard, placeholder shape or
     range upper bound of ``ep`` rejects; it costs one Python call and a comparison per condition.
     """
 
-    def __init__(self, ep: torch.export.ExportedProgram, names: Sequence[str]):
+    def __init__(self, ep: torch.export.ExportedProgram, names: Sequence[str],
+                 waive: Callable[[Condition], bool] | None = None):
         import sympy
         from torch.export.exported_program import _get_shape_env
         from torch.utils._sympy.numbers import int_oo
@@ -94,9 +97,12 @@ class Contract:
             if not checkable(g.expr):
                 self.skipped += 1
                 continue
+            syms = tuple(sorted(s.name for s in g.expr.free_symbols))
             guards.append(Condition(printer.doprint(g.expr), readable(g.expr),
-                                    g.sloc.maybe_user_loc or frame_text(g.sloc.framework_loc),
-                                    tuple(sorted(s.name for s in g.expr.free_symbols))))
+                                    g.sloc.maybe_user_loc or frame_text(g.sloc.framework_loc), syms,
+                                    tuple(sorted({self.bound[s][0] for s in syms}))))
+        self.waived = tuple(g for g in guards if waive is not None and waive(g))
+        guards = [g for g in guards if g not in self.waived]
         self.guards = tuple(guards)
         conds: list[Condition] = []
         for a, v in enumerate(vals):  # placeholder shapes: constants, and sizes equal to other sizes

@@ -544,10 +544,10 @@ class JittedModel:
         """``_export`` and the program's contract; refuses a program that holds the past length as a constant."""
         ep, baked = self._export(call, exact)
         names = self._arg_names(call.key)
-        contract = Contract(ep, names)
+        past = {len(call.key.inputs) + 2 * k + kv for k, i in enumerate(_held(call.key))
+                if call.key.layers[i] == hfc.SELF for kv in (0, 1)}  # self layers' keys and values: P
+        contract = Contract(ep, names, waive=_causal_slice_waiver(call.key, past))
         if call.key.cache is CacheKind.DYNAMIC:
-            past = {len(call.key.inputs) + 2 * k + kv for k, i in enumerate(_held(call.key))
-                    if call.key.layers[i] == hfc.SELF for kv in (0, 1)}  # self layers' keys and values
             placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(names):]
             for a, d in baked:
                 size = int(placeholders[a].meta["val"].shape[d])
@@ -586,6 +586,24 @@ class JittedModel:
             written = _written(call.key)
             hfc.write_back_dynamic(call.cache, {i: (outs[1 + 2 * j], outs[2 + 2 * j]) for j, i in enumerate(written)})
         return hfc.make_output(self.model, logits, call.cache, call.return_dict)
+
+
+def _causal_slice_waiver(key: CallKey, past: set[int]) -> Callable[[Any], bool] | None:
+    """The one guard a causal cross-attention program may ignore: HF's sdpa slice of the image keys.
+
+    ``if is_causal and attention_mask is None and q_length > 1 and kv_length > q_length`` slices the X image
+    keys to the first T; under the top-left causal mask that changes nothing (query i < T attends keys
+    j <= i either way), so the program captured on the T > X side (``_T_CAUSAL_EX``, no slice) is right on
+    both. Only for guards over T and X (never over a past length P), only for those programs.
+    """
+    if key.unmasked_cross != "causal":
+        return None
+
+    def waived(c: Any) -> bool:
+        return ("integrations/sdpa_attention.py" in c.where and "kv_length > q_length" in c.where
+                and not any(a in past for a in c.args))
+
+    return waived
 
 
 def _image_tokens(given: dict[str, torch.Tensor], cross_len: int) -> int | None:
