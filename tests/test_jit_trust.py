@@ -18,6 +18,7 @@ import transformers as tf
 from transformers import DynamicCache
 
 import kvtrace
+import kvtrace._jit
 from conftest import TINY, tiny_model
 from test_jit import assert_caches_close, assert_close, greedy, kv, ones, tokens
 
@@ -193,6 +194,21 @@ def test_int_of_new_tokens_gets_a_program_per_token_count():
         eo = model(input_ids=tokens(1, n), cache=DynamicCache())
         assert_close(jo.logits, eo.logits, torch.float32, f"logits, {n} tokens")
         assert jm.stats.captures == captures
+
+
+def test_a_key_holds_a_bounded_number_of_programs(monkeypatch):
+    """Past _MAX_PROGRAMS programs for one key, the next length is refused, naming the line to change."""
+    monkeypatch.setattr(kvtrace._jit, "_MAX_PROGRAMS", 2)
+    jm = kvtrace.jit(planted(IntOfNewTokens), backend="eager")
+    for n in (5, 4):
+        jm(input_ids=tokens(1, n), cache=DynamicCache())
+    assert jm.stats.captures == 2
+    with pytest.raises(kvtrace.CaptureError) as err:
+        jm(input_ids=tokens(1, 6), cache=DynamicCache())
+    msg = str(err.value)
+    assert "\n" not in msg and "captured 2 dynamic-fresh programs" in msg
+    assert "input_ids.shape[1] == 4 (found 6)" in msg and "n = int(input_ids.shape[1])" in msg
+    assert jm.stats.captures == 2
 
 
 # --- (c) a Python int position ----------------------------------------------------------------------------
