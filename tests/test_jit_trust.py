@@ -228,6 +228,7 @@ def test_int_position_branch_is_refused_naming_the_line():
     _, err, _ = generation(planted(IntOfPosition), "eager", positions=True)
     assert isinstance(err, kvtrace.CaptureError)
     assert 'if int(kwargs["cache_position"][0]) > 10:' in str(err)
+    assert "reads a value of a tensor into Python" in str(err)  # what to do about it
 
 
 # --- (d) a length kept on self ----------------------------------------------------------------------------

@@ -526,12 +526,17 @@ class JittedModel:
         except KvtraceError:
             raise
         except Exception as e:
+            from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
             where = model_line(e)
             lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            hint = ("; the model reads a value of a tensor into Python (int(), .item()) and decides on it: compute "
+                    "with tensors instead (torch.where) or run the model without kvtrace.jit"
+                    if isinstance(e, GuardOnDataDependentSymNode) else "")
             raise CaptureError(
                 f"kvtrace.jit could not capture {name} at stage '{stage}' "
                 f"(cache={kind}, inputs={list(call.key.inputs)}): {type(e).__name__}: {lines[0] if lines else ''}"
-                + (f" (at {where})" if where else "")
+                + (f" (at {where})" if where else "") + hint
             ) from e
         entry = _Program(run, contract)
         self._programs[call.key] = [*programs, entry]
