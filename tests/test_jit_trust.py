@@ -80,7 +80,7 @@ class IntOfPosition(tf.LlamaForCausalLM):
 
 
 class ItemOfPosition(tf.LlamaForCausalLM):
-    """(c') The same with .item(), used as a number (no branch)."""
+    """(c') The same with .item(), the comparison used as a number instead of an if."""
 
     def forward(self, input_ids=None, **kwargs):
         out = super().forward(input_ids=input_ids, **kwargs)
