@@ -7,8 +7,10 @@
                ``(inputs..., held cache state...) -> (logits, written cache state...)`` exported with
                torch.export on *synthetic* example tensors (the caller's objects are never traced)
                with symbolic lengths (new tokens T, past P, image tokens N and N_c), run uncompiled
-               (``backend="eager"``) or compiled ahead of time by AOTInductor (``backend="inductor"``:
-               no guards, so no recompiles).
+               (``backend="eager"``) or compiled ahead of time by AOTInductor (``backend="inductor"``,
+               whose programs check no guards themselves). Before a program runs, the prologue checks its
+               ``Contract`` (``_contract``: the guards, baked sizes and equal sizes the trace recorded)
+               against the call's shapes, for both backends; a call it does not admit gets its own capture.
 3. epilogue  — write the new cache tensors back into the caller's own cache object and build the
                HF-style output (same object returned as ``out.past_key_values``).
 
@@ -21,7 +23,7 @@ layer pattern (see ``_hf_cache``), and a program only takes and returns the laye
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import inspect
 import logging
 import tempfile
@@ -34,6 +36,7 @@ from typing import Any
 import torch
 
 from kvtrace import _hf_cache as hfc
+from kvtrace._contract import Contract, model_line
 from kvtrace._errors import CacheOverflowError, CaptureError, KvtraceError, UnsupportedError, UsageError
 from kvtrace._hf_cache import CacheKind
 from kvtrace._preserve import preserved
@@ -60,6 +63,9 @@ _T_EX, _P_EX, _N_EX, _NC_EX = 3, 5, 7, 11
 # key[:, :, :T] when there are more of them than tokens; under its top-left causal mask that changes nothing,
 # but a compiled slice assumes the example's side of N > T. Captured with T > N, the graph has no slice.
 _T_CAUSAL_EX = 19
+# Programs one key may hold (one per region of lengths the model's code tells apart, see _capture); past
+# that the model's graph depends on the lengths themselves, and each new length would need a new capture.
+_MAX_PROGRAMS = 8
 
 
 @dataclass
@@ -70,7 +76,9 @@ class JitStats:
     captures: int = 0
     fallbacks: int = 0
     capture_seconds: list[float] = field(default_factory=list)
-    specializations: list[str] = field(default_factory=list)  # dims a capture had to bake in (should stay empty)
+    # Why a capture beyond one per key happened: the trace assumed something of the lengths (a guard, a size
+    # baked in) that a call broke, so it got a program of its own. Empty for the supported HF models.
+    specializations: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,14 @@ class CallKey:
     # new token (it attends every image token) and for more (is_causal=True). "one-token" (a program with
     # T fixed at 1) or "causal"; "" when a mask is given or no cross layer runs.
     unmasked_cross: str = ""
-    pinned: tuple[tuple[int, int, int], ...] = ()  # (arg, dim, size) a capture could not keep symbolic
+
+
+@dataclass(frozen=True)
+class _Program:
+    """A captured program and what it assumes of its argument shapes (checked before every run)."""
+
+    run: Callable[..., Any]
+    contract: Contract
 
 
 @dataclass
@@ -163,14 +178,14 @@ class JittedModel:
         self.backend = backend
         self.fallback = fallback
         self.stats = JitStats()
-        self._programs: dict[CallKey, Callable[..., Any]] = {}
+        # Per key, the programs captured for it; a call runs the first whose contract admits its shapes.
+        self._programs: dict[CallKey, list[_Program]] = {}
         self._cache_kw = hfc.cache_kwarg_name(model)
         self._signature = inspect.signature(model.forward)
         self._n_layers, self._n_kv, self._head_dim = hfc.kv_geometry(model.config)
         self._cross = hfc.cross_layers(model.config)  # cross-attention layer indices; () for decoder-only models
         self._cross_inputs = tuple(n for n in _CROSS if n in self._signature.parameters)
         self._warned = False
-        self._pins: dict[CallKey, list[tuple[int, int]]] = {}  # dims a capture could not keep symbolic
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
         self._watched = list(model.modules())  # whose parameters, buffers and children _weights_token reads
         self._weights_seen: tuple[int, ...] = ()  # the token every program in _programs was captured with
@@ -199,12 +214,13 @@ class JittedModel:
             self.stats.fallbacks += 1
             return self.model(*args, **kwargs)
         self._drop_stale_programs(call.weights)
-        program = self._programs.get(call.key) or self._capture(call)
+        shapes = self._arg_shapes(call)
+        program = self._lookup(call.key, shapes) or self._capture(call, shapes)
         if call.key.cache is CacheKind.STATIC:  # HF's own lazy init, as eager does on first use
             hfc.ensure_static_initialized(
                 call.cache, call.key.batch, self._n_kv, self._head_dim, self._cache_dtype(call), call.tensors[0].device
             )
-        outs = program(*self._program_args(call))
+        outs = program.run(*self._program_args(call))
         return self._epilogue(call, outs)
 
     # --- stage 1: prologue --------------------------------------------------------------------
@@ -308,7 +324,6 @@ class JittedModel:
             layers=layers,
             unmasked_cross=_unmasked_cross(given, image, t_len),
         )
-        key = self._pinned_key(key, tensors)
         return _Call(key=key, tensors=tensors, cache=cache, return_dict=bool(return_dict), past_len=past,
                      weights=weights, cross_len=cross_len)
 
@@ -349,12 +364,37 @@ class JittedModel:
             self._programs.clear()
         self._weights_seen = weights
 
-    def _pinned_key(self, key: CallKey, tensors: list[torch.Tensor]) -> CallKey:
-        """If an earlier capture for this key had to specialise a dim, key on that dim's real size."""
-        pinned = self._pins.get(key)
-        if not pinned:
-            return key
-        return dataclasses.replace(key, pinned=tuple((a, d, tensors[a].shape[d]) for a, d in pinned))
+    def _lookup(self, key: CallKey, shapes: list[torch.Size]) -> _Program | None:
+        """The first program of ``key`` traced for these argument shapes (its contract admits them)."""
+        return next((p for p in self._programs.get(key, ()) if p.contract.admits(shapes)), None)
+
+    def _arg_shapes(self, call: _Call) -> list[torch.Size]:
+        """The shapes of the program's arguments (``_program_args``' order), without touching the cache.
+
+        An uninitialized StaticCache gets the shapes HF's lazy init will allocate: [B, H_kv, S_max, D] and 0-d.
+        """
+        shapes = [t.shape for t in call.tensors]
+        if call.key.cache in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+            for i in _held(call.key):
+                layer = call.cache.layers[i]
+                shapes += [layer.keys.shape, layer.values.shape]
+        elif call.key.cache is CacheKind.STATIC:
+            if call.cache.layers[0].is_initialized:
+                shapes += [t.shape for t in hfc.static_state(call.cache)]
+            else:
+                kv = torch.Size((call.key.batch, self._n_kv, call.key.static_len, self._head_dim))
+                shapes += [kv, kv, torch.Size(())] * self._n_layers
+        return shapes
+
+    def _arg_names(self, key: CallKey) -> list[str]:
+        """One description per program argument, for messages."""
+        names = list(key.inputs)
+        if key.cache in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+            names += [f"cache layer {i} {kv}" for i in _held(key) for kv in ("keys", "values")]
+        elif key.cache is CacheKind.STATIC:
+            names += [f"cache layer {i} {t}" for i in range(self._n_layers)
+                      for t in ("keys", "values", "cumulative_length")]
+        return names
 
     def _cache_dtype(self, call: _Call) -> torch.dtype:
         return next(self.model.parameters()).dtype
@@ -395,25 +435,27 @@ class JittedModel:
             if name in _CROSS:
                 ex, spec = _cross_example(name, t, t_ex, n_ex, x_ex)
                 examples.append(ex)
-                shapes.append({d: dim for d, dim in spec.items() if ex.shape[d] != 1 or exact})  # 1: as below
+                shapes.append({d: dim for d, dim in spec.items() if ex.shape[d] != 1})  # 1: as below
                 continue
             dim = _SEQ_DIM[name] % t.dim()
             size = list(t.shape)
             size[dim] = p_ex + t_ex if name == "attention_mask" else t_ex
             if name in ("position_ids", "cache_position"):
-                ex = (torch.arange(t_ex, device=t.device, dtype=t.dtype) + p_ex).expand(size).contiguous()
+                ex = (torch.arange(t_ex, device=t.device, dtype=t.dtype) + p_ex).expand(size).clone()  # not a view
             elif name == "attention_mask":
                 ex = torch.ones(size, dtype=t.dtype, device=t.device)
             else:
                 ex = torch.zeros(size, dtype=t.dtype, device=t.device)
             examples.append(ex)
-            shapes.append({dim: Dim.AUTO} if size[dim] != 1 or exact else {})  # 1: a one-token program's T
+            # 1: a one-token program's T, or an exact capture's size 1 (torch.export specialises it anyway;
+            # the program's Contract then admits only that size)
+            shapes.append({dim: Dim.AUTO} if size[dim] != 1 else {})
         if key.cache in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
             for i in _held(key):
                 k = call.cache.layers[i].keys  # [B, H_kv, P, D] (self) or [B, H_kv, N_c, D] (cross)
                 shape = (key.batch, k.shape[1], nc_ex if key.layers[i] == hfc.CROSS_FILLED else p_ex, k.shape[3])
                 examples += [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(2)]
-                shapes += [{2: Dim.AUTO}, {2: Dim.AUTO}]
+                shapes += [{2: Dim.AUTO} if shape[2] != 1 else {}] * 2
         elif key.cache is CacheKind.STATIC:
             dtype = self._cache_dtype(call)
             shape = (key.batch, self._n_kv, key.static_len, self._head_dim)  # [B, H_kv, S_max, D]
@@ -432,44 +474,102 @@ class JittedModel:
                                           self._cache_dtype(call), torch.device(call.key.device))
         step = _Step(self.model, call.key, self._n_layers, self._cache_kw, template)
         examples, shapes = self._examples(call, exact)
-        with preserved(self.model, what=f"the model ({type(self.model).__name__})"):  # never the caller's state
+        # outer: the caller's state is put back whatever happens; inner: state the forward keeps is refused
+        # (it must see that state before the outer one restores it)
+        with preserved(self.model, what=f"the model ({type(self.model).__name__})"), \
+                _forward_keeps_no_state(self.model):
             ep = torch.export.export(step, tuple(examples), dynamic_shapes=(tuple(shapes),), strict=False)
-        # Which intended-symbolic dims did the trace bake in as constants?
+        # Which intended-symbolic dims did the trace bake in as constants (a plain int, or a SymInt whose
+        # expression a guard such as Eq(s0, 5) replaced by a number)?
         placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(examples):]
         baked = []
         for a, (node, spec) in enumerate(zip(placeholders, shapes, strict=True)):
             for d in spec or {}:
-                if not isinstance(node.meta["val"].shape[d], torch.SymInt):
+                size = node.meta["val"].shape[d]
+                if not isinstance(size, torch.SymInt) or size.node.expr.is_number:
                     baked.append((a, d))
         return ep, baked
 
-    def _capture(self, call: _Call) -> Callable[..., Any]:
+    def _capture(self, call: _Call, shapes: list[torch.Size]) -> _Program:
+        """Capture a program for ``call``'s key that admits its argument shapes, and keep it.
+
+        The first program of a key is traced with the synthetic example sizes; when its contract does not admit
+        the call (the trace baked a size in, or a guard of the model's code fails here), or when the key's
+        earlier programs do not, it is traced again with the call's own sizes: one program per region of
+        lengths the model's code tells apart, counted in ``stats.specializations``. Refused (CaptureError):
+        a program that holds the past length P as a constant (it would need a capture per decode step), and
+        a key needing more than ``_MAX_PROGRAMS`` programs.
+        """
         t0 = time.perf_counter()
         name = type(self.model).__name__
+        kind = call.key.cache.value
+        programs = self._programs.get(call.key, [])
+        if programs:
+            why = programs[-1].contract.violation(shapes)
+            if len(programs) >= _MAX_PROGRAMS:
+                raise CaptureError(
+                    f"kvtrace.jit captured {len(programs)} {kind} programs of {name} and none admits this call "
+                    f"({why}): the model's graph depends on the lengths; make them symbolic (no Python branch, "
+                    "int() or .item() on a length) or run the model without kvtrace.jit"
+                )
+            self.stats.specializations.append(f"{name}: no {kind} program admits this call ({why}); captured another")
         stage = "export"
         try:
-            ep, baked = self._export(call, exact=False)
-            if baked:  # keep results correct: pin those dims to the real sizes and recapture
+            ep, contract = self._export_checked(call, exact=bool(programs))
+            if not contract.admits(shapes):  # the example sizes were the wrong side of a guard: trace this call's
                 self.stats.specializations.append(
-                    f"{name}: {call.key.cache.value} program baked dims {baked} (arg, dim); keyed on their sizes"
+                    f"{name}: the {kind} program traced with example sizes does not admit this call "
+                    f"({contract.violation(shapes)}); captured with the call's sizes"
                 )
-                ep, more = self._export(call, exact=True)  # exact sizes may bake more (e.g. a size-1 dim)
-                self._pins[call.key] = sorted({*baked, *more})
-                call.key = self._pinned_key(call.key, call.tensors)
+                ep, contract = self._export_checked(call, exact=True)
+            if not contract.admits(shapes):
+                raise CaptureError(f"kvtrace.jit captured {name}'s {kind} program with this call's own sizes and it "
+                                   f"still does not admit them ({contract.violation(shapes)})")
             stage = "compile"
-            program = self._compile(ep, call.key)
+            run = self._compile(ep, call.key)
         except KvtraceError:
             raise
         except Exception as e:
+            from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+            where = model_line(e)
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            hint = ("; the model reads a value of a tensor into Python (int(), .item()) and decides on it: compute "
+                    "with tensors instead (torch.where) or run the model without kvtrace.jit"
+                    if isinstance(e, GuardOnDataDependentSymNode) else "")
             raise CaptureError(
                 f"kvtrace.jit could not capture {name} at stage '{stage}' "
-                f"(cache={call.key.cache.value}, inputs={list(call.key.inputs)}): {type(e).__name__}: {e}"
+                f"(cache={kind}, inputs={list(call.key.inputs)}): {type(e).__name__}: {lines[0] if lines else ''}"
+                + (f" (at {where})" if where else "") + hint
             ) from e
-        self._programs[call.key] = program
+        entry = _Program(run, contract)
+        self._programs[call.key] = [*programs, entry]
         self.stats.captures += 1
         self.stats.capture_seconds.append(time.perf_counter() - t0)
-        log.info("captured %s program for %s in %.1fs", call.key.cache.value, name, self.stats.capture_seconds[-1])
-        return program
+        log.info("captured %s program for %s in %.1fs", kind, name, self.stats.capture_seconds[-1])
+        return entry
+
+    def _export_checked(self, call: _Call, exact: bool) -> tuple[torch.export.ExportedProgram, Contract]:
+        """``_export`` and the program's contract; refuses a program that holds the past length as a constant."""
+        ep, baked = self._export(call, exact)
+        names = self._arg_names(call.key)
+        past = {len(call.key.inputs) + 2 * k + kv for k, i in enumerate(_held(call.key))
+                if call.key.layers[i] == hfc.SELF for kv in (0, 1)}  # self layers' keys and values: P
+        contract = Contract(ep, names, waive=_causal_slice_waiver(call.key, past))
+        if call.key.cache is CacheKind.DYNAMIC:
+            placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(names):]
+            for a, d in baked:
+                size = int(placeholders[a].meta["val"].shape[d])
+                if a in past and size >= 2:  # not a 0/1 specialisation of an exact capture: the model fixed it
+                    origin = contract.origin(a, d)
+                    raise CaptureError(
+                        f"kvtrace.jit cannot capture {type(self.model).__name__}: its {call.key.cache.value} program "
+                        f"holds the past length P ({names[a]}, dim {d}) as the constant {size}, so it would be wrong "
+                        f"at every other cache length" + (f"; fixed at {origin}" if origin else "")
+                        + "; read cache lengths as symbolic sizes (no int(), .item() or Python branch needing the "
+                        "value), or run the model without kvtrace.jit"
+                    )
+        return ep, contract
 
     def _compile(self, ep: torch.export.ExportedProgram, key: CallKey) -> Callable[..., Any]:
         if self.backend == "eager":
@@ -477,7 +577,9 @@ class JittedModel:
             # of a *derived* size such as the mask length P + T reads ">= 4". That bound is an artifact
             # of the examples, not of the graph: the prologue checks the real invariants (mask = P + T,
             # T >= 1), and tests run T = 1, P = 1 and P = 0 against eager. So call the graph itself,
-            # without the example-derived input-range hooks (AOTInductor has none either).
+            # without the example-derived input-range hooks (AOTInductor has none either). Everything else
+            # the trace assumed (guards, baked sizes, equal sizes, range upper bounds) is the program's
+            # Contract, which __call__ checks for both backends before running it.
             return ep.module(check_guards=False).forward
         from kvtrace._compile import aoti_compile
 
@@ -493,6 +595,24 @@ class JittedModel:
             written = _written(call.key)
             hfc.write_back_dynamic(call.cache, {i: (outs[1 + 2 * j], outs[2 + 2 * j]) for j, i in enumerate(written)})
         return hfc.make_output(self.model, logits, call.cache, call.return_dict)
+
+
+def _causal_slice_waiver(key: CallKey, past: set[int]) -> Callable[[Any], bool] | None:
+    """The one guard a causal cross-attention program may ignore: HF's sdpa slice of the image keys.
+
+    ``if is_causal and attention_mask is None and q_length > 1 and kv_length > q_length`` slices the X image
+    keys to the first T; under the top-left causal mask that changes nothing (query i < T attends keys
+    j <= i either way), so the program captured on the T > X side (``_T_CAUSAL_EX``, no slice) is right on
+    both. Only for guards over T and X (never over a past length P), only for those programs.
+    """
+    if key.unmasked_cross != "causal":
+        return None
+
+    def waived(c: Any) -> bool:
+        return ("integrations/sdpa_attention.py" in c.where and "kv_length > q_length" in c.where
+                and not any(a in past for a in c.args))
+
+    return waived
 
 
 def _image_tokens(given: dict[str, torch.Tensor], cross_len: int) -> int | None:
@@ -559,6 +679,90 @@ def _cross_example(name: str, t: torch.Tensor, t_ex: int, n_ex: int, x_ex: int) 
     return torch.ones(b, 1, t_ex, 1, **kw), {2: Dim.AUTO}  # full_text_row_masked_out_mask [B, 1, T, 1]
 
 
+_MODULE_INTERNALS = ("_modules", "_parameters", "_buffers")  # see _python_state
+
+
+def _python_state(model: torch.nn.Module) -> dict[tuple[str, str], Any]:
+    """(module path, attribute) -> value for the plain attributes of the model's modules and of its config:
+    what a forward could leave behind for the next call. Not parameters and buffers: torch.export swaps them
+    for traced tensors while it runs, and replacing one is seen by ``_weights_token`` on the next call."""
+    state: dict[tuple[str, str], Any] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        where = path or type(model).__name__
+        for k, v in vars(mod).items():
+            if k not in _MODULE_INTERNALS:
+                state[(where, k)] = v
+    cfg = getattr(model, "config", None)
+    for k, v in (vars(cfg).items() if cfg is not None else ()):
+        state[("config", k)] = v
+    return state
+
+
+def _plain(x: Any, depth: int = 0) -> bool:
+    """Python data compared by value (no tensors, no traced sizes): scalars, strings and containers of them."""
+    if x is None or type(x) in (int, float, str, bool):
+        return True
+    if depth < 3 and type(x) in (tuple, list, set, frozenset):
+        return all(_plain(y, depth + 1) for y in x)
+    if depth < 3 and type(x) is dict:
+        return all(_plain(k, depth + 1) and _plain(v, depth + 1) for k, v in x.items())
+    return False
+
+
+def _same(a: Any, b: Any) -> bool:
+    """The trace left the value as it was (the same object, or equal plain data: HF re-creates some dicts)."""
+    return a is b or (type(a) is type(b) and _plain(a) and _plain(b) and a == b)
+
+
+@contextlib.contextmanager
+def _forward_keeps_no_state(model: torch.nn.Module) -> Any:
+    """Refuse a capture whose trace set Python attributes on the model (e.g. ``self.seen = T``).
+
+    A captured program cannot carry Python state from one call to the next: eager updates the attribute on
+    every call, the program keeps what the trace saw. The state is read by a forward hook, as the model's
+    forward leaves it (torch.export puts back attributes that existed, but not before the trace read them,
+    and it leaves new ones holding traced sizes). Whatever still differs afterwards is put back as the caller
+    had it, then ``CaptureError`` names what the forward set.
+    """
+    before = _python_state(model)
+    left: list[dict[tuple[str, str], Any]] = []
+    handle = model.register_forward_hook(lambda mod, args, out: left.append(_python_state(model)))
+    try:
+        yield
+    finally:
+        handle.remove()
+        _put_back(model, before)
+    changed = [k for k in {**before, **left[0]} if k not in before or k not in left[0]
+               or not _same(before[k], left[0][k])] if left else []
+    if not changed:
+        return
+    path, attr = changed[0]
+    value = left[0].get((path, attr))
+    what = ("a traced size" if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
+            else "a traced tensor" if isinstance(value, torch.Tensor) else "deleted" if (path, attr) not in left[0]
+            else repr(value)[:40])
+    raise CaptureError(
+        f"kvtrace.jit cannot capture {type(model).__name__}: its forward sets {len(changed)} attribute(s) of the "
+        f"model (first: {path}.{attr} = {what}), Python state a captured program cannot carry from one call to "
+        "the next; keep per-call values local (or in the cache), or run the model without kvtrace.jit "
+        "(the attributes were restored)"
+    )
+
+
+def _put_back(model: torch.nn.Module, before: dict[tuple[str, str], Any]) -> None:
+    """Undo what a trace left set, replaced or deleted among ``_python_state``'s attributes."""
+    now = _python_state(model)
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for path, attr in (k for k in {**before, **now} if k not in before or k not in now or not _same(before[k], now[k])):
+        obj = model.config if path == "config" else modules.get("" if path == type(model).__name__ else path)
+        if obj is None:
+            continue
+        if (path, attr) in before:
+            setattr(obj, attr, before[(path, attr)])  # Module.__setattr__ puts parameters and buffers back too
+        else:
+            delattr(obj, attr)
+
+
 def _weights_token(modules: list[torch.nn.Module]) -> tuple[str, tuple[int, ...]]:
     """Sorted parameter dtypes, and the children's ids and every parameter's and buffer's storage address.
 
@@ -591,5 +795,13 @@ def jit(model: torch.nn.Module, *, backend: str = "inductor", fallback: str | No
 
     Returns:
         ``jm`` with the calling convention of ``model.forward``; ``jm.stats`` counts calls and captures.
+
+    Never silently wrong: whatever a capture assumed of the lengths (the guards torch.export recorded, such as
+    ``P <= 6`` from ``if past > 6:``, sizes it baked in, sizes it found equal, range upper bounds) is checked
+    on the host before each call runs a program, on both backends. A call outside them gets a program captured
+    with its own sizes (``stats.specializations`` says why; at most 8 per key). Refused with ``CaptureError``,
+    naming the model's line: a program holding the past length as a constant (``int(cache.get_seq_length())``),
+    a Python value read from a tensor (``int(cache_position[0])``, ``.item()``) that the code branches on,
+    and a forward that sets attributes on the model (``self.seen = T``; they are put back).
     """
     return JittedModel(model, backend=backend, fallback=fallback)
