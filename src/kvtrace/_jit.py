@@ -732,8 +732,12 @@ def _forward_keeps_no_state(model: torch.nn.Module) -> Any:
     finally:
         handle.remove()
         _put_back(model, before)
-    changed = [k for k in {**before, **left[0]} if k not in before or k not in left[0]
-               or not _same(before[k], left[0][k])] if left else []
+    # A tensor attribute the forward *adds* is a memo it recomputes from the config on every trace (HF longrope's
+    # rotary_emb.long_inv_freq): each program holds its own copy, and the caller's model gets none (deleted
+    # again). Anything else the forward sets, replaces or deletes is state carried from one call to the next.
+    changed = [k for k in {**before, **left[0]} if k not in left[0]
+               or (k not in before and not isinstance(left[0][k], torch.Tensor))
+               or (k in before and not _same(before[k], left[0][k]))] if left else []
     if not changed:
         return
     path, attr = changed[0]
