@@ -115,29 +115,49 @@ def _generate(ui: _UI, art: Any, prompt: str, args: argparse.Namespace, max_new:
     return {"text": res.text, "tokens": res.tokens, **res.stats.to_dict()}
 
 
-def _writable_file(path: str, flag: str) -> Path:
-    """``path`` as a Path, or a UsageError now if it cannot be written (a folder, inside a file, in a
-    folder without write permission): checked before minutes of capture, not after."""
+@contextlib.contextmanager
+def _output_file(path: str | None, flag: str) -> Iterator[Path | None]:
+    """Check now, before minutes of capture, that ``path`` can be written: UsageError for a folder, a
+    path inside a file, a folder without write permission or on a read-only mount. Missing folders are
+    created for the probe and removed again if the command fails."""
+    if path is None:
+        yield None
+        return
     p = Path(path).expanduser()
+    folder = p.absolute().parent
+    created = []
     try:
         if p.is_dir():
             raise UsageError(f"{flag} {path} is a directory; expected a file name such as model.kvt")
-        folder = p.absolute().parent
-        existing = folder
-        while not existing.exists():
-            existing = existing.parent
-        if not existing.is_dir():
-            raise UsageError(f"{flag} {path} cannot be written: {existing} is a file, not a folder; choose another path")
-        if existing == folder:  # probe with a real file: permissions, read-only mounts, quotas
-            fd, probe = tempfile.mkstemp(prefix=".kvtrace-probe-", dir=folder)
-            os.close(fd)
-            os.unlink(probe)
-        elif not os.access(existing, os.W_OK | os.X_OK):
-            raise PermissionError(f"no permission to create folders in {existing}")
+        missing = folder
+        while not missing.exists():
+            created.append(missing)
+            missing = missing.parent
+        if not missing.is_dir():
+            raise UsageError(f"{flag} {path} cannot be written: {missing} is a file, not a folder; choose another path")
+        for d in reversed(created):
+            d.mkdir()
+        fd, probe = tempfile.mkstemp(prefix=".kvtrace-probe-", dir=folder)  # permissions, mounts, quotas
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
+        _remove_empty(created)
         raise UsageError(f"{flag} {path} cannot be written ({e.strerror or e}); expected a file in a writable "
                          "folder. Choose another path") from e
-    return p
+    except BaseException:
+        _remove_empty(created)
+        raise
+    try:
+        yield p
+    except BaseException:
+        _remove_empty(created)
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for d in folders:  # deepest first
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 def _image_inputs(art: Any, path: str | None) -> dict[str, Any]:
@@ -197,10 +217,10 @@ def cmd_run(args: argparse.Namespace, ui: _UI) -> int:
 def cmd_export(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._export import export
 
-    _writable_file(args.output, "-o")
     t0 = time.perf_counter()
-    path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
-                  image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step)
+    with _output_file(args.output, "-o"):
+        path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
+                      image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step)
     info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
     if ui.json_mode:
         print(json.dumps(info))
@@ -212,11 +232,10 @@ def cmd_export(args: argparse.Namespace, ui: _UI) -> int:
 def cmd_verify(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._verify import run_cli_verify
 
-    if args.json:
-        _writable_file(args.json, "--json")
-    report = run_cli_verify(args, step=ui.step)
-    if args.json:
-        Path(args.json).write_text(report.to_json())
+    with _output_file(args.json, "--json"):
+        report = run_cli_verify(args, step=ui.step)
+        if args.json:
+            Path(args.json).write_text(report.to_json())
     if not ui.quiet:
         from kvtrace._verify import render
 
@@ -228,11 +247,10 @@ def cmd_verify(args: argparse.Namespace, ui: _UI) -> int:
 def cmd_lint(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._lint import run_cli_lint
 
-    if args.json:
-        _writable_file(args.json, "--json")
-    report = run_cli_lint(args, step=ui.step)
-    if args.json:
-        Path(args.json).write_text(report.to_json())
+    with _output_file(args.json, "--json"):
+        report = run_cli_lint(args, step=ui.step)
+        if args.json:
+            Path(args.json).write_text(report.to_json())
     ui.out.print("\n".join(report.lines()), markup=False, highlight=False, soft_wrap=True)
     return 0 if report.ok else 1
 
@@ -260,10 +278,8 @@ def cmd_cache(args: argparse.Namespace, ui: _UI) -> int:
 def cmd_bench(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._bench import run_cli_bench
 
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
-        if path:
-            _writable_file(path, flag)
-    return run_cli_bench(args, ui)
+    with _output_file(args.json, "--json"), _output_file(args.plot, "--plot"):
+        return run_cli_bench(args, ui)
 
 
 # --- parser -----------------------------------------------------------------------------------
