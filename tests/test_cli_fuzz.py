@@ -112,6 +112,21 @@ def test_fuzz_run(world, data):
             sys.stdin = sys_stdin
 
 
+NUMBERS = ["nan", "inf", "-inf", "-0.0", "0", "-1", "1e-30", "1e30", "0.5", "1", "3", str(2**63), str(2**64)]
+
+
+@settings(FUZZ, max_examples=50)
+@given(flags=st.lists(st.tuples(st.sampled_from(["--temperature", "--top-k", "--top-p", "--seed"]),
+                                st.one_of(st.sampled_from(NUMBERS), st.sampled_from(JUNK),
+                                          st.floats(allow_nan=True, allow_infinity=True).map(repr))),
+                      min_size=1, max_size=3))
+def test_fuzz_sampling_flags(world, flags):
+    """Sampling values reach a real generation: NaN, inf, negatives, tiny and huge numbers."""
+    _, art, _ = world
+    _check(["run", str(art), "--prompt", "hello world", "--raw", "--max-len", "6", "--json",
+            *[x for pair in flags for x in pair]])
+
+
 @FUZZ
 @given(data=st.data())
 def test_fuzz_generate(world, data):
