@@ -86,13 +86,16 @@ def _locked(entry: Path, *, wait: bool = True) -> Iterator[bool]:
                              "set KVTRACE_CACHE to a writable folder") from e
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            busy = False
         except BlockingIOError:
-            os.close(fd)
-            yield False
-            return
+            busy = True
         except BaseException:
             os.close(fd)
             raise
+        if busy:
+            os.close(fd)
+            yield False
+            return
         try:
             current = os.stat(lock).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
