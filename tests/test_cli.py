@@ -301,3 +301,154 @@ def torch_zeros(*shape):
     import torch
 
     return torch.zeros(*shape)
+
+
+# --- bad input is one line with exit 2, checked before any work (#12 item 7) -----------------------
+def _code(argv) -> int:
+    """main's exit code, whether it returns it or argparse exits."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def _only_line(capsys) -> str:
+    """stderr is exactly one line, an error (no usage block, no traceback)."""
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and ": error: " in lines[0], err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--temperature", "nan"], "--temperature: expected a finite number, got 'nan'"),
+        (["--temperature", "inf"], "--temperature: expected a finite number, got 'inf'"),
+        (["--temperature", "-1"], "--temperature: expected a number >= 0"),
+        (["--top-p", "0"], "--top-p: expected a number in (0, 1], got '0'"),
+        (["--top-p", "1.5"], "--top-p: expected a number in (0, 1]"),
+        (["--top-p", "nan"], "--top-p: expected a finite number"),
+        (["--top-k", "0"], "--top-k: expected a whole number >= 1, got 0"),
+        (["--seed", "-1"], "--seed: expected a whole number in [0, 9223372036854775807], got -1"),
+        (["--seed", str(2**70)], "--seed: expected a whole number in [0,"),
+        (["--max-len", "0"], "--max-len: expected a whole number >= 1, got 0"),
+        (["--max-len", "ten"], "--max-len: expected a whole number >= 1, got 'ten'"),
+    ],
+)
+def test_bad_sampling_and_size_flags_are_one_line_exit_2(flags, expected, artifact, capsys):
+    assert _code(["run", str(artifact), "--prompt", "hello", "--raw", *flags]) == 2
+    line = _only_line(capsys)
+    assert expected in line and "see kvtrace run --help" in line
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["verify", "x", "--steps", "-1"], "--steps: expected a whole number >= 0"),
+        (["export", "x", "-o", "y.kvt", "--max-seq-len", "0"], "--max-seq-len: expected a whole number >= 1"),
+        (["export", "x", "-o", "y.kvt", "--image-tokens", "-6"], "--image-tokens: expected a whole number >= 1"),
+        # --model /nonexistent: were a flag not checked, no default model is built
+        (["generate", "hi", "--model", "/nonexistent", "--max-new-tokens", "0"], "--max-new-tokens: expected a whole"),
+        (["bench", "--model", "/nonexistent", "--prompt-len", "4,x"], "--prompt-len: expected whole numbers >= 1 sep"),
+        (["bench", "--model", "/nonexistent", "--runs", "0"], "--runs: expected a whole number >= 1"),
+        (["cache", "purge"], "invalid choice: 'purge'"),
+        (["nope"], "invalid choice: 'nope'"),
+    ],
+)
+def test_bad_flags_of_every_command_are_one_line_exit_2(argv, expected, capsys):
+    assert _code(argv) == 2
+    assert expected in _only_line(capsys)
+
+
+@pytest.mark.parametrize("where", ["inside_a_file", "proc"])
+def test_unwritable_output_is_refused_before_capture(where, hf_dir, tmp_path, monkeypatch, capsys):
+    import kvtrace._export
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured before checking -o")
+
+    monkeypatch.setattr(kvtrace._export, "capture_programs", no_capture)
+    (tmp_path / "file.txt").write_text("x")
+    out = tmp_path / "file.txt" / "m.kvt" if where == "inside_a_file" else "/proc/kvtrace-test/m.kvt"
+    assert _code(["export", str(hf_dir), "-o", str(out), "--max-seq-len", "32"]) == 2
+    line = _only_line(capsys)
+    assert f"-o {out} cannot be written" in line and "choose another path" in line.lower()
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_unwritable_report_paths_are_refused_before_any_work(flag, tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    bad = str(tmp_path / "file.txt" / "out")
+    argv = (["verify", "/nonexistent/model", "--json", bad] if flag == "--json"
+            else ["bench", "--model", "/nonexistent/model", "--plot", bad])
+    assert _code(argv) == 2
+    assert f"{flag} {bad} cannot be written" in _only_line(capsys)  # not the missing model: checked first
+
+
+def test_unwritable_cache_folder_is_one_line_exit_2(hf_dir, tmp_path, monkeypatch, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "file.txt"))
+    assert _code(["generate", "hello", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32"]) == 2
+    line = _only_line(capsys)
+    assert f"KVTRACE_CACHE {tmp_path / 'file.txt'} is not a writable folder" in line
+    assert _code(["cache", "list"]) == 2
+    assert "KVTRACE_CACHE" in _only_line(capsys)
+
+
+def test_generate_rebuilds_a_corrupt_cached_artifact_with_a_notice(hf_dir, capsys):
+    args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+            "--max-new-tokens", "3", "--raw", "--json"]
+    assert main(args) == 0
+    capsys.readouterr()
+    (entry,) = (p for p, _ in __import__("kvtrace._build", fromlist=["x"]).list_artifacts())
+    entry.write_bytes(entry.read_bytes()[:1000])  # truncated: kvtrace.load raises ArtifactError
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["cache_hit"] is False
+    notes = [ln for ln in cap.err.splitlines() if "failed its integrity check" in ln]
+    assert len(notes) == 1 and entry.name in notes[0] and "rebuilding it" in notes[0]
+    assert main(args) == 0  # healed: a plain cache hit from now on
+    cap = capsys.readouterr()
+    assert json.loads(cap.out)["cache_hit"] is True and "integrity" not in cap.err
+
+
+def test_mislabelled_gguf_is_one_line_exit_2_and_nothing_is_cached(tmp_path, capsys):
+    from kvtrace._sources import list_cache
+    from test_sources import _write_gguf
+
+    path = _write_gguf(tmp_path / "m.gguf", "qwen2", tensors="llama")  # old code: exit 0, zero biases cached
+    assert _code(["export", str(path), "-o", str(tmp_path / "m.kvt"), "--max-seq-len", "32"]) == 2
+    line = _only_line(capsys)
+    assert "'qwen2'" in line and "missing blk.0.attn_q.bias" in line and "'llama' model" in line
+    assert list_cache() == [] and not (tmp_path / "m.kvt").exists()
+
+
+def test_verify_reports_a_candidate_it_cannot_build_and_runs_the_others(hf_dir, artifact, tmp_path, monkeypatch,
+                                                                         capsys):
+    import kvtrace._export
+    from kvtrace import CaptureError
+
+    def fail(*args, **kwargs):
+        raise CaptureError("exporting LlamaForCausalLM failed (exported): simulated")
+
+    monkeypatch.setattr(kvtrace._export, "export", fail)
+    bad = tmp_path / "bad.kvt"
+    bad.write_bytes(artifact.read_bytes()[:1000])
+    out = tmp_path / "report.json"
+    code = main(["verify", str(hf_dir), "--against", "jit-eager,exported", "--artifact", str(bad),
+                 "--artifact", str(artifact), "--steps", "1", "--raw", "--prompt", "hello world",
+                 "--max-seq-len", "32", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert code == 1, text
+    summary = {s["candidate"]: s for s in json.loads(out.read_text())["summary"]}
+    assert set(summary) == {"jit-eager", "exported", "bad.kvt", "tiny.kvt"}
+    assert summary["jit-eager"]["passed"] and summary["tiny.kvt"]["passed"]  # the others still ran
+    assert "not run: export (exported) raised CaptureError" in summary["exported"]["first_failure"]
+    assert "not run: loading" in summary["bad.kvt"]["first_failure"] and "ArtifactError" in summary["bad.kvt"]["first_failure"]
+    assert "failed: exported, bad.kvt" in text and text.rstrip().endswith("FAIL")
+
+
+def test_verify_missing_artifact_is_bad_input(hf_dir, capsys):
+    assert _code(["verify", str(hf_dir), "--artifact", "/nonexistent.kvt"]) == 2
+    assert "--artifact /nonexistent.kvt does not exist" in _only_line(capsys)

@@ -39,13 +39,19 @@ def default_gguf() -> Path:
 
 
 def _write_gguf(
-    path: Path, arch: str = "llama", *, vocab: int = 8, hidden: int = 64, layers: int = 2
+    path: Path, arch: str = "llama", *, vocab: int = 8, hidden: int = 64, layers: int = 2,
+    tensors: str | None = None, template: str = CHATML, padding: int = 0, raw: dict | None = None,
 ) -> Path:
-    """A tiny random GGUF; for arch="llama" it is complete enough for transformers to load."""
+    """A tiny random GGUF labelled ``arch`` holding the tensors of architecture ``tensors`` (default:
+    ``arch``), complete enough for transformers to load. ``padding``: bytes of a description written
+    before the chat template (pushes it deep into the metadata); ``raw``: extra tensors {name: array}."""
     rng = np.random.default_rng(0)
     heads, kv_heads, inter = 4, 2, 128
+    tensors = tensors or arch
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name("tiny")
+    if padding:
+        w.add_description("x" * padding)
     w.add_block_count(layers)
     w.add_context_length(64)
     w.add_embedding_length(hidden)
@@ -56,6 +62,10 @@ def _write_gguf(
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_rope_dimension_count(hidden // heads)
+    # transformers reads no head_dim from a qwen3 GGUF: Qwen3Config's 128 (that of every Qwen3) applies
+    head_dim = 128 if tensors == "qwen3" else hidden // heads
+    if tensors == "qwen3":
+        w.add_key_length(head_dim)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(["<unk>", "<s>", "</s>", "a", "b", "ab", "Ġ", "c"][:vocab])
@@ -63,29 +73,59 @@ def _write_gguf(
     w.add_token_merges(["a b"])
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_chat_template(CHATML)
+    w.add_pad_token_id(0)
+    w.add_chat_template(template)
 
     def rand(name: str, *shape: int) -> None:  # numpy shape is HF's [out, in]; GGUF stores dims reversed
         w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
 
     rand("token_embd.weight", vocab, hidden)  # no output.weight: lm_head is tied to the embedding
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    kv = kv_heads * hidden // heads
+    q, kv = heads * head_dim, kv_heads * head_dim
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        rand(f"blk.{i}.attn_q.weight", hidden, hidden)
-        rand(f"blk.{i}.attn_k.weight", kv, hidden)
-        rand(f"blk.{i}.attn_v.weight", kv, hidden)
-        rand(f"blk.{i}.attn_output.weight", hidden, hidden)
-        rand(f"blk.{i}.ffn_gate.weight", inter, hidden)
-        rand(f"blk.{i}.ffn_up.weight", inter, hidden)
+        if tensors == "phi3":  # fused q/k/v and gate/up
+            rand(f"blk.{i}.attn_qkv.weight", q + 2 * kv, hidden)
+            rand(f"blk.{i}.ffn_up.weight", 2 * inter, hidden)
+        else:
+            rand(f"blk.{i}.attn_q.weight", q, hidden)
+            rand(f"blk.{i}.attn_k.weight", kv, hidden)
+            rand(f"blk.{i}.attn_v.weight", kv, hidden)
+            rand(f"blk.{i}.ffn_gate.weight", inter, hidden)
+            rand(f"blk.{i}.ffn_up.weight", inter, hidden)
+        if tensors == "qwen2":
+            rand(f"blk.{i}.attn_q.bias", q)
+            rand(f"blk.{i}.attn_k.bias", kv)
+            rand(f"blk.{i}.attn_v.bias", kv)
+        if tensors == "qwen3":
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
+        rand(f"blk.{i}.attn_output.weight", hidden, q)
         rand(f"blk.{i}.ffn_down.weight", hidden, inter)
+    for name, array in (raw or {}).items():
+        w.add_tensor(name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _patch_tensor(path: Path, name: str, *, ggml_type: int | None = None, offset: int | None = None) -> None:
+    """Overwrite the type and/or data offset of tensor ``name`` in the GGUF's tensor table, in place."""
+    import struct
+
+    reader = gguf.GGUFReader(str(path))
+    info = next(t for t in reader.tensors if t.name == name)
+    at = info.field.offset + 8 + len(name.encode()) + 4 + 8 * len(info.shape)  # -> u32 type, u64 offset
+    del reader
+    with open(path, "r+b") as f:
+        f.seek(at)
+        old_type, old_offset = struct.unpack("<IQ", f.read(12))
+        f.seek(at)
+        f.write(struct.pack("<IQ", old_type if ggml_type is None else ggml_type,
+                            old_offset if offset is None else offset))
 
 
 @pytest.fixture(scope="module")
@@ -195,6 +235,159 @@ def test_supported_archs_are_known_to_transformers():
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
     assert set(_sources.SUPPORTED_GGUF_ARCHS) <= set(GGUF_SUPPORTED_ARCHITECTURES)
+
+
+# ------------------------------------------------------------------------- GGUF tensors vs architecture
+
+
+@pytest.mark.parametrize("arch", _sources.SUPPORTED_GGUF_ARCHS)
+def test_each_architecture_with_its_own_tensors_converts_completely(arch, tmp_path):
+    """The tensor table kvtrace checks against is what transformers' converter needs: nothing missing."""
+    from gguf.constants import MODEL_ARCH_NAMES
+
+    path = _write_gguf(tmp_path / f"{arch}.gguf", arch)
+    if arch not in MODEL_ARCH_NAMES.values():  # "mistral" with gguf 0.19: the old code died in transformers
+        with pytest.raises(UnsupportedError, match=rf"architecture '{arch}', which the installed gguf package"):
+            resolve_source(path)
+        return
+    lm = load_model(resolve_source(path))
+    assert lm.model.config.model_type == arch and not lm.cache_hit
+    assert [p.name for p, _ in list_cache()] == [lm.source.digest]
+
+
+@pytest.mark.parametrize(
+    "label, tensors, expected",
+    [
+        # labelled qwen2 but llama tensors: the old code invented zero q/k/v biases and cached the result
+        ("qwen2", "llama", r"'qwen2'.*missing blk\.0\.attn_q\.bias, blk\.0\.attn_k\.bias.*\(\+2 more\).*'llama' model"),
+        # labelled phi3 but separate q/k/v: the old code raised a traceback inside transformers
+        ("phi3", "llama", r"'phi3'.*missing blk\.0\.attn_qkv\.weight.*unexpected blk\.0\.attn_q\.weight"),
+        ("llama", "qwen2", r"'llama'.*unexpected blk\.0\.attn_q\.bias.*'qwen2' model"),
+        ("qwen3", "qwen2", r"missing blk\.0\.attn_q_norm\.weight.*unexpected blk\.0\.attn_q\.bias.*'qwen2' model"),
+        ("llama", "phi3", r"'llama'.*missing blk\.0\.attn_q\.weight.*'phi3' model"),
+    ],
+)
+def test_gguf_whose_tensors_do_not_match_its_label_is_refused_before_conversion(label, tensors, expected, tmp_path):
+    path = _write_gguf(tmp_path / "m.gguf", label, tensors=tensors)
+    with pytest.raises(SourceError, match=expected) as e:
+        resolve_source(path)
+    assert "\n" not in str(e.value) and "convert_hf_to_gguf.py" in str(e.value)
+    with pytest.raises(SourceError):
+        load_model(path)
+    assert list_cache() == []  # nothing converted, nothing cached
+
+
+def test_gguf_with_a_wrongly_sized_tensor_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    _write_gguf(path, raw={"blk.2.attn_q.weight": np.zeros((64, 64), np.float32)})  # a block the count lacks
+    with pytest.raises(SourceError, match=r"unexpected blk\.2\.attn_q\.weight"):
+        resolve_source(path)
+    wide = np.zeros((8, 72), np.float32)  # output.weight [V, h] with h = 72 != embedding_length 64
+    _write_gguf(path, raw={"output.weight": wide})
+    with pytest.raises(SourceError, match=r"wrong shape output\.weight \[72, 8\] \(expected \[64, 8\]\)"):
+        resolve_source(path)
+
+
+def test_gguf_without_sizing_metadata_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)  # no embedding_length / head_count
+    w.add_tensor("token_embd.weight", np.zeros((8, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(SourceError, match=r"llama\.embedding_length should be a positive integer"):
+        resolve_source(path)
+
+
+@pytest.mark.parametrize(
+    "patch, expected",
+    [
+        (dict(ggml_type=250), r"corrupt.*250 is not a valid GGMLQuantizationType"),  # unknown type
+        (dict(ggml_type=24), r"corrupt.*type I8 cannot be dequantized"),  # known, but gguf cannot dequantize it
+        (dict(offset=1 << 40), r"corrupt.*ends at byte \d+ but the file has"),  # offset past the end
+        (dict(offset=0), r"corrupt.*tensors token_embd\.weight and blk\.1\.ffn_down\.weight overlap"),
+        (dict(offset=4), r"corrupt.*offset 4, not a multiple of the alignment 32"),
+    ],
+)
+def test_gguf_with_a_valid_header_but_bad_tensors_is_a_source_error(patch, expected, tmp_path):
+    path = _write_gguf(tmp_path / "m.gguf")
+    _patch_tensor(path, "blk.1.ffn_down.weight", **patch)
+    with pytest.raises(SourceError, match=expected):
+        load_model(path)
+    assert list_cache() == []
+
+
+def test_gguf_with_truncated_tensor_data_is_a_source_error(tmp_path):
+    path = _write_gguf(tmp_path / "m.gguf")
+    path.write_bytes(path.read_bytes()[:-100])  # header intact, the last tensor cut short
+    with pytest.raises(SourceError, match=r"corrupt.*blk\.1\.ffn_down\.weight ends at byte"):
+        resolve_source(path)
+
+
+def test_gguf_whose_values_are_not_finite_is_not_cached(tmp_path):
+    nan = np.full((64, 8), np.nan, np.float32)  # output.weight [V, h] = NaN: a broken quantization
+    path = _write_gguf(tmp_path / "m.gguf", raw={"output.weight": nan.T.copy()})
+    with pytest.raises(SourceError, match=r"non-finite values.*lm_head\.weight.*nothing was cached"):
+        load_model(path)
+    assert list_cache() == []
+
+
+def test_conversion_errors_inside_transformers_are_source_errors(tmp_path, monkeypatch):
+    import transformers
+
+    def boom(*args, **kwargs):
+        raise AssertionError("Padding_idx must be within num_embeddings")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
+    with pytest.raises(SourceError, match=r"could not convert .*AssertionError: Padding_idx.*convert_hf_to_gguf"):
+        load_model(_write_gguf(tmp_path / "m.gguf"))
+    assert list_cache() == []
+
+
+# -------------------------------------------------------------------------------- the source digest
+
+
+def test_hf_dir_digest_covers_every_file_that_shapes_the_artifact(tmp_path):
+    make_tiny_hf_dir(tmp_path)
+    seen = {resolve_source(tmp_path).digest}
+    edits = {
+        "tokenizer_config.json": lambda t: t.replace("assistant", "helper"),  # the chat template
+        "tokenizer.json": lambda t: t.replace('"sat"', '"sit"'),
+        "generation_config.json": lambda t: t.replace("}", ', "temperature": 0.5}', 1),
+        "special_tokens_map.json": lambda t: '{"eos_token": "</s>"}',
+        "chat_template.jinja": lambda t: "{{ messages[0]['content'] }}",
+    }
+    for name, edit in edits.items():
+        f = tmp_path / name
+        f.write_text(edit(f.read_text() if f.exists() else ""))
+        digest = resolve_source(tmp_path).digest
+        assert digest not in seen, name
+        seen.add(digest)
+    (tmp_path / "README.md").write_text("notes")  # not part of any artifact
+    assert resolve_source(tmp_path).digest in seen
+
+
+def test_digest_sees_a_template_edit_that_keeps_size_and_mtime(tmp_path):
+    """Hashes content, not just size and time: a same-length edit with the old mtime restored still
+    changes the key, in a HF dir's tokenizer_config.json and deep (9 MiB) in a big GGUF's metadata."""
+    import os
+
+    make_tiny_hf_dir(tmp_path)
+    f = tmp_path / "tokenizer_config.json"
+    before, st = resolve_source(tmp_path).digest, f.stat()
+    f.write_text(f.read_text().replace("assistant", "ASSISTANT"))
+    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert resolve_source(tmp_path).digest != before
+
+    g = _write_gguf(tmp_path / "big.gguf", padding=9 << 20, template=CHATML)
+    st = g.stat()
+    assert st.st_size > 9 << 20
+    before = resolve_source(g).digest
+    _write_gguf(g, padding=9 << 20, template=CHATML.replace("assistant", "ASSISTANT"))
+    os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert g.stat().st_size == st.st_size and resolve_source(g).digest != before
 
 
 def test_import_and_chat_template_do_not_need_transformers():

@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import os
 import sys
+import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from kvtrace import __version__
 from kvtrace._errors import CaptureError, KvtraceError, UsageError
@@ -55,6 +58,10 @@ class _UI:
     def info(self, text: str) -> None:
         if not self.quiet:
             self.err.print(text)
+
+    def notice(self, text: str) -> None:
+        """One line the user should see even in --quiet/--json mode (e.g. a cache entry rebuilt)."""
+        self.err.print(f"kvtrace: {text}", markup=False, highlight=False, style="yellow", soft_wrap=True)
 
 
 # --- shared: prompts and generation ------------------------------------------------------------
@@ -108,6 +115,51 @@ def _generate(ui: _UI, art: Any, prompt: str, args: argparse.Namespace, max_new:
     return {"text": res.text, "tokens": res.tokens, **res.stats.to_dict()}
 
 
+@contextlib.contextmanager
+def _output_file(path: str | None, flag: str) -> Iterator[Path | None]:
+    """Check now, before minutes of capture, that ``path`` can be written: UsageError for a folder, a
+    path inside a file, a folder without write permission or on a read-only mount. Missing folders are
+    created for the probe and removed again if the command fails."""
+    if path is None:
+        yield None
+        return
+    p = Path(path).expanduser()
+    folder = p.absolute().parent
+    created = []
+    try:
+        if p.is_dir():
+            raise UsageError(f"{flag} {path} is a directory; expected a file name such as model.kvt")
+        missing = folder
+        while not missing.exists():
+            created.append(missing)
+            missing = missing.parent
+        if not missing.is_dir():
+            raise UsageError(f"{flag} {path} cannot be written: {missing} is a file, not a folder; choose another path")
+        for d in reversed(created):
+            d.mkdir()
+        fd, probe = tempfile.mkstemp(prefix=".kvtrace-probe-", dir=folder)  # permissions, mounts, quotas
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        _remove_empty(created)
+        raise UsageError(f"{flag} {path} cannot be written ({e.strerror or e}); expected a file in a writable "
+                         "folder. Choose another path") from e
+    except BaseException:
+        _remove_empty(created)
+        raise
+    try:
+        yield p
+    except BaseException:
+        _remove_empty(created)
+        raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for d in folders:  # deepest first
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
 def _image_inputs(art: Any, path: str | None) -> dict[str, Any]:
     """--image-features FILE.safetensors -> named prefill inputs (checked by the Session)."""
     if path is None:
@@ -129,15 +181,14 @@ def _image_inputs(art: Any, path: str | None) -> dict[str, Any]:
 
 # --- commands ---------------------------------------------------------------------------------
 def cmd_generate(args: argparse.Namespace, ui: _UI) -> int:
-    from kvtrace._artifact import load
     from kvtrace._build import cached_artifact
 
     prompt = _read_prompt(args.prompt)
     t0 = time.perf_counter()
+    # loads (and so checks) the artifact too; a cached one that fails its integrity check is rebuilt
     built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                            progress=ui.step)
-    with ui.step("loading artifact"):
-        art = load(built.path)
+                            progress=ui.step, load=True, notice=ui.notice)
+    art = built.artifact
     load_s = time.perf_counter() - t0
     ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
     out = _generate(ui, art, prompt, args, args.max_new_tokens)
@@ -167,8 +218,9 @@ def cmd_export(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._export import export
 
     t0 = time.perf_counter()
-    path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
-                  image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step)
+    with _output_file(args.output, "-o"):
+        path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
+                      image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step)
     info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
     if ui.json_mode:
         print(json.dumps(info))
@@ -180,9 +232,10 @@ def cmd_export(args: argparse.Namespace, ui: _UI) -> int:
 def cmd_verify(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._verify import run_cli_verify
 
-    report = run_cli_verify(args, step=ui.step)
-    if args.json:
-        Path(args.json).write_text(report.to_json())
+    with _output_file(args.json, "--json"):
+        report = run_cli_verify(args, step=ui.step)
+        if args.json:
+            Path(args.json).write_text(report.to_json())
     if not ui.quiet:
         from kvtrace._verify import render
 
@@ -194,9 +247,10 @@ def cmd_verify(args: argparse.Namespace, ui: _UI) -> int:
 def cmd_lint(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._lint import run_cli_lint
 
-    report = run_cli_lint(args, step=ui.step)
-    if args.json:
-        Path(args.json).write_text(report.to_json())
+    with _output_file(args.json, "--json"):
+        report = run_cli_lint(args, step=ui.step)
+        if args.json:
+            Path(args.json).write_text(report.to_json())
     ui.out.print("\n".join(report.lines()), markup=False, highlight=False, soft_wrap=True)
     return 0 if report.ok else 1
 
@@ -224,15 +278,74 @@ def cmd_cache(args: argparse.Namespace, ui: _UI) -> int:
 def cmd_bench(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace._bench import run_cli_bench
 
-    return run_cli_bench(args, ui)
+    with _output_file(args.json, "--json"), _output_file(args.plot, "--plot"):
+        return run_cli_bench(args, ui)
 
 
 # --- parser -----------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    """argparse with kvtrace's one-line errors (exit 2): ``kvtrace run: error: ... (see kvtrace run --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high]."""
+    want = f"a whole number >= {low}" if high is None else f"a whole number in [{low}, {high}]"
+
+    def whole_number(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {v}")
+        return v
+
+    return whole_number
+
+
+def _float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def _temperature(text: str) -> float:
+    v = _float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (0 = greedy), got {text!r}")
+    return v
+
+
+def _probability(text: str) -> float:
+    v = _float(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return v
+
+
+def _int_list(text: str) -> str:
+    """A comma list of whole numbers >= 1 (bench --prompt-len), kept as text."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(t.isdigit() and int(t) >= 1 for t in items):
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1 separated by commas, got {text!r}")
+    return ",".join(items)
+
+
+_POSITIVE, _SEED = _int_in(1), _int_in(0, 2**63 - 1)
+
+
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=_POSITIVE, default=None)
+    p.add_argument("--top-p", type=_probability, default=None, help="in (0, 1]")
+    p.add_argument("--seed", type=_SEED, default=None)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--chat", dest="chat", action="store_true", default=True, help="apply the chat template (default)")
     g.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as plain text")
@@ -248,7 +361,7 @@ def _common(p: argparse.ArgumentParser, json_flag: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvtrace", description="Compile and export LLM decoders together with their KV cache.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="examples:\n  " + "\n  ".join(EXAMPLES.values()),
@@ -265,9 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("generate", "Stream an answer from a model (default: the embedded SmolLM2-135M-Instruct), compiled.")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text, or - for stdin")
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), a HF model dir, or a GGUF file")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=_POSITIVE, default=256)
     p.add_argument("--backend", choices=("aoti", "aoti-packed", "exported"), default="aoti")
-    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--max-seq-len", type=_POSITIVE, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     _sampling_args(p)
     p.set_defaults(func=cmd_generate)
@@ -275,12 +388,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("export", "Export a model with its KV cache to one artifact file.")
     p.add_argument("source", help="smollm2-135m-instruct, a HF model dir, or a GGUF file")
     p.add_argument("-o", "--output", required=True, help="artifact file to write, e.g. model.kvt")
-    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--max-seq-len", type=_POSITIVE, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--backend", choices=("exported", "aoti", "aoti-packed"), default="exported",
                    help="aoti-packed: frozen, prepacked weights and CPU GEMM templates (fastest decode, "
                         "slowest compile)")
-    p.add_argument("--image-tokens", type=int, default=None, metavar="N",
+    p.add_argument("--image-tokens", type=_POSITIVE, default=None, metavar="N",
                    help="vision decoders (Llama 3.2 Vision): image tokens N of cross_attention_states [B, N, dim] "
                         "(default 6404 = 4 tiles x 1601)")
     p.add_argument("--prefill-logits", choices=("last", "all"), default="last",
@@ -291,7 +404,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("run", "Generate from an exported artifact (no transformers needed).")
     p.add_argument("file", help="artifact written by `kvtrace export`")
     p.add_argument("--prompt", required=True, help="prompt text, or - for stdin")
-    p.add_argument("--max-len", type=int, default=64, help="prompt + generated tokens (default 64)")
+    p.add_argument("--max-len", type=_POSITIVE, default=64, help="prompt + generated tokens (default 64)")
     p.add_argument("--image-features", default=None, metavar="FILE.safetensors",
                    help="vision decoder artifacts: image features for the prefill, a .safetensors file holding "
                         "cross_attention_states [1, N, dim] (and optionally cross_attention_mask [1, T, N])")
@@ -307,13 +420,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", default=None, help="first prompt (a second, different prompt follows a reset)")
     g.add_argument("--prompts", default=None, help="file with one prompt per line")
-    p.add_argument("--steps", type=int, default=8, help="greedy decode steps per prompt")
+    p.add_argument("--steps", type=_int_in(0), default=8, help="greedy decode steps per prompt")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--no-fp32-reference", dest="fp32_reference", action="store_false", default=True,
                    help="bfloat16 only: judge against eager bf16 alone (by default a candidate may also pass a "
                         "tensor by being no further from an fp32 run of the same weights than eager bf16 is; that "
                         "fp32 copy of the model needs twice the bf16 model's memory)")
-    p.add_argument("--max-seq-len", type=int, default=256)
+    p.add_argument("--max-seq-len", type=_POSITIVE, default=256)
     p.add_argument("--raw", dest="chat", action="store_false", default=True)
     p.add_argument("--image-features", default=None, metavar="FILE.safetensors",
                    help="vision decoders: cross_attention_states [1, N, dim]; every prompt runs with this image, "
@@ -334,12 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
             json_flag=False)
     p.add_argument("--model", default=None)
     p.add_argument("--backends", default="hf-eager,exported,aoti")
-    p.add_argument("--prompt-len", default="37")
-    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=_int_list, default="37")
+    p.add_argument("--new-tokens", type=_POSITIVE, default=128)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--runs", type=int, default=3)
-    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--threads", type=_POSITIVE, default=None)
+    p.add_argument("--runs", type=_POSITIVE, default=3)
+    p.add_argument("--max-seq-len", type=_POSITIVE, default=1024)
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also measure decode speed against context position and plot it (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
@@ -358,6 +471,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"kvtrace {args.command}: error: {e}", file=sys.stderr)
         return 1 if isinstance(e, CaptureError) else 2
+    except OSError as e:  # the file system refused (disk full, a path that vanished): not a kvtrace bug
+        if args.debug:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"kvtrace {args.command}: error: {e.strerror or e}{where}; check the paths and free space "
+              "(--debug shows the traceback)", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

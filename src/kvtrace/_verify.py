@@ -152,6 +152,26 @@ class SessionRunner:
         return out
 
 
+class Unavailable:
+    """A candidate that could not be built (its export or load raised): ``verify`` runs the others and
+    reports this one as an error on every step, with ``reason``."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+
+    def reset(self) -> None:
+        raise RuntimeError(self.reason)
+
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(self.reason)
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(self.reason)
+
+    def cache(self) -> list[LayerKV]:
+        return []
+
+
 @dataclass(frozen=True)
 class StepRow:
     candidate: str
@@ -360,6 +380,9 @@ def verify(
                 fp32.reset()
             broken: dict[int, str] = {}  # candidate index -> why it is skipped for the rest of this prompt
             for c_idx, c in enumerate(candidates):
+                if isinstance(c, Unavailable):
+                    broken[c_idx] = f"not run: {c.reason}"
+                    continue
                 try:
                     c.reset()
                 except Exception as e:
@@ -379,7 +402,7 @@ def verify(
                 for c_idx, c in enumerate(candidates):
                     if c_idx in broken:
                         report.rows.append(_error_row(c.name, p_idx, step, pos, n_layers, broken[c_idx]))
-                        if not broken[c_idx].startswith("skipped"):
+                        if not broken[c_idx].startswith(("skipped", "not run")):
                             broken[c_idx] = f"skipped: {broken[c_idx]} at step {step}"
                         continue
                     try:
@@ -459,6 +482,12 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
     unknown = sorted(set(against) - {"jit", "jit-eager", "exported", "aoti", "aoti-packed"})
     if unknown:
         raise UsageError(f"--against takes jit, jit-eager, exported, aoti, aoti-packed; got {unknown}")
+    if not against and not args.artifact:
+        raise UsageError("nothing to verify: --against is empty and no --artifact given; "
+                         "pass e.g. --against jit,exported")
+    for f in args.artifact:
+        if not Path(f).is_file():
+            raise UsageError(f"--artifact {f} does not exist; expected a file written by `kvtrace export`")
     dtype = DTYPES[args.dtype]
     with step(f"loading {args.source}"):
         lm = load_model(args.source, dtype=dtype)
@@ -493,12 +522,18 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
             if a in ("jit", "jit-eager"):
                 cands.append(JitRunner(lm.model, backend="inductor" if a == "jit" else "eager"))
             else:
-                with step(f"exporting ({a})"):
-                    path = export(lm.model, Path(tmp) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
-                                  backend=a, image_tokens=image_tokens)
-                cands.append(SessionRunner(load(path).session(), a))
+                try:
+                    with step(f"exporting ({a})"):
+                        path = export(lm.model, Path(tmp) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
+                                      backend=a, image_tokens=image_tokens)
+                    cands.append(SessionRunner(load(path).session(), a))
+                except Exception as e:  # reported in the table; the other candidates still run
+                    cands.append(Unavailable(a, f"export ({a}) {_describe(e)}"))
         for f in args.artifact:
-            cands.append(SessionRunner(load(f).session(), Path(f).name))
+            try:
+                cands.append(SessionRunner(load(f).session(), Path(f).name))
+            except Exception as e:
+                cands.append(Unavailable(Path(f).name, f"loading {f} {_describe(e)}"))
         with step(f"verifying {len(cands)} candidate(s) on {len(prompts)} prompts x (prefill + {args.steps} steps)"):
             fp32 = None
             if dtype != torch.float32 and getattr(args, "fp32_reference", True):
