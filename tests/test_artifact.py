@@ -716,9 +716,10 @@ def test_aoti_cache_spec_edits_are_refused_instead_of_corrupting_memory(aoti, tm
 @pytest.mark.compile
 @pytest.mark.parametrize(("change", "match"), [
     (lambda w: w.update({"tok_embeddings.weight": w["tok_embeddings.weight"][:64].clone()}),
-     r"compiled for weight tok_embeddings.weight as float32 of 32768 bytes, but weights.safetensors holds "
+     r"compiled for weight tok_embeddings.weight as float32 of 32768 bytes \(64-byte aligned\), but weights.safetensors holds "
      r"float32 \[64, 64\] \(16384 bytes\)"),
     (lambda w: w.update({"norm": w["norm"].to(torch.bfloat16)}), r"weight norm as float32 of 256 bytes.*bfloat16"),
+    (lambda w: w.update({"norm": w["norm"][:48].clone()}), r"weight norm as float32 of 256 bytes.*\(192 bytes\)"),
     (lambda w: w.pop("norm"), r"reads weight norm, which weights.safetensors does not hold"),
 ])
 def test_aoti_weights_of_another_size_or_dtype_are_refused(aoti, tmp_path, change, match):

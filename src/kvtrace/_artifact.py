@@ -123,7 +123,7 @@ class Manifest(ModelInfo):
         try:
             d = json.loads(text)
         except (json.JSONDecodeError, RecursionError) as e:
-            raise ArtifactError(f"manifest.json is not valid JSON ({e}); the file is corrupt") from e
+            raise ArtifactError(f"manifest.json is not valid JSON ({_clip(str(e))}); the file is corrupt") from e
         if not isinstance(d, dict):
             raise ArtifactError(f"manifest.json holds a JSON {type(d).__name__}, expected an object; the file is corrupt")
         if d.get("format") != FORMAT:
@@ -144,7 +144,7 @@ class Manifest(ModelInfo):
         try:
             d["programs"] = {name: ProgramSpec.from_dict(name, p) for name, p in programs.items()}
         except (AttributeError, TypeError, ValueError) as e:
-            raise ArtifactError(f"manifest programs are malformed ({e}); re-export the artifact") from e
+            raise ArtifactError(f"manifest programs are malformed ({_clip(str(e))}); re-export the artifact") from e
         d["eos_ids"] = tuple(d.get("eos_ids", ()))
         m = cls(**d)
         if m.backend not in BACKENDS:
@@ -159,6 +159,12 @@ _DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16
 def _short(v: Any, n: int = 80) -> str:
     r = repr(v)
     return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def _clip(text: str, n: int = 200) -> str:
+    """``text`` on one line, at most ``n`` characters (library messages can be long or multi-line)."""
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def _is_int(v: Any, lo: int = 0) -> bool:
@@ -342,7 +348,7 @@ class Artifact:
         try:
             return Tokenizer.from_str(self.tokenizer_json)
         except Exception as e:  # tokenizers raises its own exception type
-            raise ArtifactError(f"{self.path}: tokenizer.json is not a readable tokenizer ({_short(str(e), 200)}); "
+            raise ArtifactError(f"{self.path}: tokenizer.json is not a readable tokenizer ({_clip(str(e), 200)}); "
                                 "re-export the artifact") from e
 
     def __repr__(self) -> str:
@@ -438,7 +444,7 @@ def _read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
                 blobs[name] = blob
     except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, zlib.error, ValueError,
             NotImplementedError, OverflowError) as e:
-        raise ArtifactError(f"{path} is not a readable kvtrace artifact ({_short(str(e), 200)}); it is corrupt or "
+        raise ArtifactError(f"{path} is not a readable kvtrace artifact ({_clip(str(e), 200)}); it is corrupt or "
                             "truncated") from e
     return manifest, blobs
 
@@ -450,7 +456,7 @@ def _load_weights(path: Path, blob: bytes, manifest: Manifest) -> dict[str, torc
     try:
         weights = st_load(blob)
     except Exception as e:  # safetensors raises its own error type
-        raise ArtifactError(f"{path}: weights.safetensors is corrupt ({_short(str(e), 200)}); re-export the artifact") from e
+        raise ArtifactError(f"{path}: weights.safetensors is corrupt ({_clip(str(e), 200)}); re-export the artifact") from e
     table = manifest.weights
     if set(weights) != set(table):
         diff = sorted(set(weights) ^ set(table))
@@ -542,7 +548,7 @@ def _exported_program(path: Path, name: str, blob: bytes, weights: dict[str, tor
         graph = json.loads(blob)
         names = _program_weight_names(graph)
     except (ValueError, KeyError, TypeError, AttributeError, StopIteration, RecursionError) as e:
-        raise ArtifactError(f"{path}: programs/{name}.json is not a serialized program ({_short(str(e), 120)}); "
+        raise ArtifactError(f"{path}: programs/{name}.json is not a serialized program ({_clip(str(e), 120)}); "
                             "the file is corrupt, re-export it") from e
     lacking = sorted(n for kind in names.values() for n in kind if n not in weights)
     if lacking:
@@ -608,7 +614,7 @@ def _pt2_libraries(path: Path, blob: bytes, models: set[str]) -> dict[str, dict[
         zf = zipfile.ZipFile(io.BytesIO(blob))
         infos = zf.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
-        raise ArtifactError(f"{what} is not a readable package ({e}); re-export the artifact") from e
+        raise ArtifactError(f"{what} is not a readable package ({_clip(str(e))}); re-export the artifact") from e
     roots = {i.filename.split("/", 1)[0] for i in infos}
     if len(roots) != 1 or sum(i.file_size for i in infos) > len(blob):
         raise ArtifactError(f"{what} is not a package as torch writes it (one root folder, stored members); re-export it")
@@ -671,7 +677,7 @@ def _aoti_programs(path: Path, manifest: Manifest, blob: bytes, weights: dict[st
                 run, out = load_library(so, None if packed else weights, _probe_inputs(manifest, program))
             except RuntimeError as e:
                 raise ArtifactError(
-                    f"{path}: program {name} refuses the inputs its manifest declares ({_short(str(e).strip(), 200)}): "
+                    f"{path}: program {name} refuses the inputs its manifest declares ({_clip(str(e), 200)}): "
                     "the CacheSpec or program specs do not match the compiled program; the artifact is "
                     "inconsistent, re-export it") from e
             if len(out) != 1 or out[0].dim() != 3 or out[0].shape[-1] != manifest.vocab_size:
@@ -688,16 +694,21 @@ def _aoti_programs(path: Path, manifest: Manifest, blob: bytes, weights: dict[st
 
 def _check_constants(path: Path, name: str, table: dict[str, tuple[torch.dtype | None, int]],
                      weights: dict[str, torch.Tensor]) -> None:
-    """Every weight a compiled library reads, against what the artifact hands it (dtype, bytes)."""
+    """Every weight a compiled library reads, against what the artifact hands it (dtype, bytes).
+
+    The library records each constant's storage size at compile time rounded up to 64 bytes (Inductor's
+    ALIGN_BYTES), not its shape; kvtrace's weights own their storage, so a weight that fits is one whose
+    rounded size is exactly that: fewer bytes would be read past their end, more would be misread.
+    """
     for fqn, (dtype, nbytes) in table.items():
         w = weights.get(fqn)
         if w is None:
             raise ArtifactError(f"{path}: program {name} reads weight {fqn}, which weights.safetensors does not "
                                 "hold; the artifact is inconsistent, re-export it")
-        if w.dtype != dtype or w.nbytes != nbytes or not w.is_contiguous():
+        if w.dtype != dtype or (w.nbytes + 63) // 64 * 64 != nbytes or not w.is_contiguous():
             raise ArtifactError(
                 f"{path}: program {name} was compiled for weight {fqn} as {str(dtype).removeprefix('torch.')} of "
-                f"{nbytes} bytes, but weights.safetensors holds {_describe(w)} ({w.nbytes} bytes); the artifact "
+                f"{nbytes} bytes (64-byte aligned), but weights.safetensors holds {_describe(w)} ({w.nbytes} bytes); the artifact "
                 "is inconsistent, re-export it")
 
 
@@ -760,6 +771,6 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None) ->
         else:
             hint = f"It was written by this torch ({torch.__version__}), so the file is corrupt; re-export it"
         raise ArtifactError(
-            f"{path}: could not load the {manifest.backend} programs ({type(e).__name__}: {_short(str(e), 300)}). {hint}"
+            f"{path}: could not load the {manifest.backend} programs ({type(e).__name__}: {_clip(str(e), 300)}). {hint}"
         ) from e
     return Artifact(path, manifest, programs, tokenizer_json, keepalive)
