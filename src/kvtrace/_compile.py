@@ -8,7 +8,9 @@ package-loader paths that unpickle weights, constants or custom objects, and no 
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
+import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -125,8 +127,10 @@ def compiled_constants(so_path: str | os.PathLike[str]) -> dict[str, tuple[torch
         return out
     finally:
         lib.AOTInductorModelContainerDelete(handle)
+        _ctypes.dlclose(lib._handle)  # ctypes never unloads; the runner holds its own reference
 
 
+@functools.cache
 def _dtype_codes() -> dict[int, torch.dtype]:
     """AOTInductor's dtype codes (``aoti_torch_dtype_<name>()`` of libtorch's C shim) -> torch dtypes."""
     shim = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
