@@ -441,6 +441,21 @@ def test_a_zip_bomb_is_refused_before_it_is_decompressed(exported, tmp_path, dec
     assert int(out.split()[1]) < 32 << 10, out  # max RSS grew by < 32 MiB (it grew by the member's size before)
 
 
+def test_a_directory_of_too_many_members_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
+    from kvtrace import _artifact
+
+    many = tmp_path / "many.kvt"
+    with zipfile.ZipFile(many, "w") as zf:
+        for i in range(40):
+            zf.writestr(f"m{i}", b"")
+    parsed = []
+    monkeypatch.setattr(_artifact, "MAX_MEMBERS", 32)
+    monkeypatch.setattr(zipfile.ZipFile, "_RealGetContents", lambda self: parsed.append(1))
+    with pytest.raises(ArtifactError, match=r"zip directory lists 40 members \(.*at most 32"):
+        kvtrace.load(many)
+    assert parsed == []  # refused from the end record, before zipfile read the directory
+
+
 def test_member_size_ceiling_and_compression_method(exported, tmp_path):
     from kvtrace import _artifact
 

@@ -72,6 +72,7 @@ AOTI_PACKAGE = "programs/aoti.pt2"
 MANIFEST_MAX_BYTES = 16 << 20  # chat templates and signatures are small; a bigger manifest is not ours
 MEMBER_MAX_BYTES = 1 << 40  # no single member of a real artifact comes near 1 TiB
 MAX_RATIO = 100  # uncompressed / compressed per member: programs deflate ~3-15x, weights are stored (1x)
+MAX_MEMBERS = 1024  # an artifact has a handful; a directory of millions would cost GBs to parse
 _CHUNK = 1 << 20
 
 
@@ -401,6 +402,11 @@ def _read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
     if not path.is_file():
         raise UsageError(f"artifact {path} does not exist; create one with `kvtrace export`")
     try:
+        with path.open("rb") as f:
+            end = zipfile._EndRecData(f)  # the directory's entry count, read before zipfile parses the directory
+        if end is not None and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_MEMBERS:
+            raise ArtifactError(f"{path}: its zip directory lists {end[zipfile._ECD_ENTRIES_TOTAL]} members (a kvtrace "
+                                f"artifact has a handful; at most {MAX_MEMBERS} are read); it is not a kvtrace artifact")
         with zipfile.ZipFile(path) as zf:
             infos = zf.infolist()
             names = [i.filename for i in infos]
