@@ -650,15 +650,15 @@ def _pt2_libraries(path: Path, blob: bytes, models: set[str]) -> dict[str, dict[
     return files
 
 
-def _probe_inputs(manifest: Manifest, program: ProgramSpec) -> list[torch.Tensor]:
-    """One call's inputs at position 0 with T = L = 1, the cache allocated from the CacheSpec."""
+def _probe_inputs(manifest: Manifest, program: ProgramSpec, cache: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One call's inputs at position 0 with T = L = 1, over ``cache`` (allocated from the CacheSpec)."""
     spec = manifest.cache_spec
     flat = [torch.zeros(spec.batch_size, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
     if program.key_pos:
         flat.append(torch.zeros(1, dtype=torch.int64))
     for i in program.inputs:
         flat.append(torch.full(i.concrete(spec.batch_size, 1), i.default or 0.0, dtype=i.torch_dtype))
-    return [*flat, *spec.allocate()]
+    return [*flat, *cache]
 
 
 def _aoti_programs(path: Path, manifest: Manifest, blob: bytes, weights: dict[str, torch.Tensor]
@@ -669,6 +669,7 @@ def _aoti_programs(path: Path, manifest: Manifest, blob: bytes, weights: dict[st
     libraries = _pt2_libraries(path, blob, set(compiled))
     _remove_stale_dirs()
     tmp = Path(tempfile.mkdtemp(prefix=f"kvtrace-aoti-{os.getpid()}-"))
+    cache = manifest.cache_spec.allocate()  # one scratch cache for every probe
     try:
         loaded = {}
         for name, program in compiled.items():
@@ -680,7 +681,7 @@ def _aoti_programs(path: Path, manifest: Manifest, blob: bytes, weights: dict[st
             if not packed:
                 _check_constants(path, name, compiled_constants(so), weights)
             try:
-                run, out = load_library(so, None if packed else weights, _probe_inputs(manifest, program))
+                run, out = load_library(so, None if packed else weights, _probe_inputs(manifest, program, cache))
             except RuntimeError as e:
                 raise ArtifactError(
                     f"{path}: program {name} refuses the inputs its manifest declares ({_clip(str(e), 200)}): "
