@@ -7,6 +7,7 @@ Bounded: a tiny ``exported`` artifact, a few hundred examples, ~30-60 s on 2 bus
 from __future__ import annotations
 
 import json
+import os
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -20,17 +21,26 @@ import kvtrace
 from conftest import tiny_model
 from kvtrace._errors import KvtraceError
 
-FUZZ = settings(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None)
+# KVTRACE_FUZZ_EXAMPLES=N: a longer, random (not derandomized) search, e.g. before a release
+_LONG = int(os.environ.get("KVTRACE_FUZZ_EXAMPLES", "0"))
+FUZZ = settings(max_examples=_LONG or 250, deadline=None, derandomize=not _LONG,
+                suppress_health_check=[HealthCheck.too_slow], database=None)
+
+
+class Tiny(tuple):
+    """(a scratch file, the tiny artifact's bytes, its manifest); a short repr in failure reports."""
+
+    def __repr__(self) -> str:
+        return f"Tiny({self[0]}, {len(self[1])} bytes)"
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> tuple[Path, bytes, dict[str, Any]]:
-    """(a scratch file, the tiny artifact's bytes, its manifest)."""
+def tiny(tmp_path_factory) -> Tiny:
     d = tmp_path_factory.mktemp("fuzz")
     path = kvtrace.export(tiny_model("llama", num_hidden_layers=1), d / "tiny.kvt", max_seq_len=8)
     with zipfile.ZipFile(path) as zf:
         manifest = json.loads(zf.read("manifest.json"))
-    return d / "case.kvt", path.read_bytes(), manifest
+    return Tiny((d / "case.kvt", path.read_bytes(), manifest))
 
 
 def attempt(scratch: Path, data: bytes) -> str:
@@ -124,3 +134,15 @@ def test_fuzzed_manifest_fields_raise_only_kvtrace_errors(tiny, data):
 def test_fuzzed_manifest_text_raises_only_kvtrace_errors(tiny, text):
     scratch, blob, _ = tiny
     assert attempt(scratch, with_manifest(blob, text, scratch)) != "loaded"
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("weights", "output.weight", "dtype"), []),  # found by the fuzzer: an unhashable dtype raised TypeError
+    (("signatures", "prefill", 0, "dtype"), {}),
+    (("programs", "prefill", "inputs"), [{"name": "x", "shape": [[1]], "dtype": "float32"}]),
+    (("cache_spec", "layers", 0, "kind"), ["full"]),
+    (("members", "weights.safetensors", "size"), 1 << 62),
+])
+def test_known_manifest_cases_raise_only_kvtrace_errors(tiny, path, value):
+    scratch, blob, manifest = tiny
+    assert attempt(scratch, with_manifest(blob, json.dumps(_mutate(manifest, path, "set", value)), scratch)) != "loaded"

@@ -179,7 +179,7 @@ def _is_shape(v: Any, symbols: bool = False) -> bool:
 
 def _is_tensor_meta(v: Any, symbols: bool = False) -> bool:
     return (isinstance(v, dict) and set(v) == {"shape", "dtype"} and _is_shape(v["shape"], symbols)
-            and v["dtype"] in _DTYPES)
+            and isinstance(v["dtype"], str) and v["dtype"] in _DTYPES)
 
 
 def _dict_of(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
