@@ -1,14 +1,29 @@
-"""Thin glue over AOTInductor: an ExportedProgram -> a loaded, guard-free compiled callable."""
+"""Thin glue over AOTInductor: an ExportedProgram -> a loaded, guard-free compiled callable.
+
+Two ways in: ``aoti_compile``/``aoti_load`` for packages this process just compiled (kvtrace.jit), via
+torch's package loader; ``load_library`` for a compiled model library taken out of an artifact: it
+dlopens the one ``.so`` through ``AOTIModelContainerRunnerCpu`` and nothing else — none of torch's
+package-loader paths that unpickle weights, constants or custom objects, and no compiler run.
+"""
 
 from __future__ import annotations
 
+import _ctypes
+import ctypes
+import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["aoti_compile", "aoti_load", "aoti_load_packed", "weights_of"]
+__all__ = ["CHECK_INPUTS_ENV", "aoti_compile", "aoti_load", "compiled_constants", "load_library", "weights_of"]
+
+# The generated run_impl checks every input's dtype, static sizes, symbolic-size bounds and static strides
+# against what it was compiled for, and raises instead of reading out of bounds, when this variable is set
+# at the library's *first* call (it is read once per library). load_library's probe call latches it on.
+CHECK_INPUTS_ENV = "AOTI_RUNTIME_CHECK_INPUTS"
 
 
 # Artifact compiles never come from Inductor's compile caches. Two cache hits returned programs built for
@@ -49,7 +64,9 @@ def inductor_options(packed: bool = False, dtype: torch.dtype = torch.float32) -
 
 def export_options(packed: bool, dtype: torch.dtype) -> dict[str, Any]:
     """What an artifact's programs are compiled with: ``inductor_options`` without Inductor's caches."""
-    return {**inductor_options(packed, dtype), **EXPORT_NO_CACHE}
+    # check_lowerbound off: export specializes sizes 0/1, so T and L get a compiled lower bound of 2 that
+    # the runtime input checks (on for artifacts, see CHECK_INPUTS_ENV) would enforce on 1-token prefills.
+    return {**inductor_options(packed, dtype), **EXPORT_NO_CACHE, "aot_inductor.check_lowerbound": False}
 
 
 def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLike[str]) -> Callable[..., Any]:
@@ -81,19 +98,77 @@ def aoti_load(path: str | os.PathLike[str], weights: dict[str, torch.Tensor], mo
     return _FlatRunner(runner)
 
 
-def aoti_load_packed(path: str | os.PathLike[str], model_name: str) -> Callable[..., Any]:
-    """Load a compiled package that carries its own (frozen, prepacked) weights."""
-    from torch._inductor.package import load_package
+def compiled_constants(so_path: str | os.PathLike[str]) -> dict[str, tuple[torch.dtype | None, int]]:
+    """What a compiled model library reads besides its inputs: original FQN -> (dtype, bytes), asked of the
+    library itself through AOTInductor's C ABI (interface.h), not of any file next to it. Constants folded
+    at compile time are left out (the library computes them). The dtype is None for one torch cannot name."""
+    lib = ctypes.CDLL(os.fspath(so_path))
+    size_t, handle = ctypes.c_size_t, ctypes.c_void_p()
 
-    return _FlatRunner(load_package(os.fspath(path), model_name))
+    def call(fn: str, *args: Any) -> None:
+        if getattr(lib, fn)(*args) != 0:
+            raise RuntimeError(f"{fn} failed in {Path(so_path).name}")
+
+    call("AOTInductorModelContainerCreateWithDevice", ctypes.byref(handle), size_t(1), b"cpu", None)
+    try:
+        n = size_t()
+        call("AOTInductorModelContainerGetNumConstants", handle, ctypes.byref(n))
+        codes = _dtype_codes()
+        out: dict[str, tuple[torch.dtype | None, int]] = {}
+        for i in range(n.value):
+            fqn, code, nbytes, folded = ctypes.c_char_p(), ctypes.c_int32(), size_t(), ctypes.c_bool()
+            call("AOTInductorModelContainerGetConstantFromFolded", handle, size_t(i), ctypes.byref(folded))
+            if folded.value:
+                continue
+            call("AOTInductorModelContainerGetConstantOriginalFQN", handle, size_t(i), ctypes.byref(fqn))
+            call("AOTInductorModelContainerGetConstantDtype", handle, size_t(i), ctypes.byref(code))
+            call("AOTInductorModelContainerGetConstantDataSize", handle, size_t(i), ctypes.byref(nbytes))
+            out[(fqn.value or b"").decode(errors="replace")] = (codes.get(code.value), nbytes.value)
+        return out
+    finally:
+        lib.AOTInductorModelContainerDelete(handle)
+        _ctypes.dlclose(lib._handle)  # ctypes never unloads; the runner holds its own reference
+
+
+@functools.cache
+def _dtype_codes() -> dict[int, torch.dtype]:
+    """AOTInductor's dtype codes (``aoti_torch_dtype_<name>()`` of libtorch's C shim) -> torch dtypes."""
+    shim = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    names = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
+    return {getattr(shim, f"aoti_torch_dtype_{n}")(): getattr(torch, n) for n in names}
+
+
+def load_library(so_path: str | os.PathLike[str], weights: dict[str, torch.Tensor] | None,
+                 probe: Sequence[torch.Tensor]) -> tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]]:
+    """Load one compiled model library; hand it ``weights`` by reference (None: its weights are frozen
+    inside), then call it once on ``probe`` with the runtime input checks on (CHECK_INPUTS_ENV), which
+    stay on for every later call. The caller has checked ``weights`` against ``compiled_constants``.
+    Returns (the callable, the probe's outputs). Raises RuntimeError (the library's own message) when the
+    probe's inputs are not what it was compiled for.
+    """
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(os.fspath(so_path), 1)
+    if weights is not None:
+        names = runner.get_constant_names_to_original_fqns()  # internal name -> FQN
+        runner.update_constant_buffer({n: weights[f] for n, f in names.items()}, False, True, True)
+    flat = _FlatRunner(runner, runner.run)
+    previous = os.environ.get(CHECK_INPUTS_ENV)
+    os.environ[CHECK_INPUTS_ENV] = "1"  # read by this library's first call only; restored right after
+    try:
+        outputs = flat(*probe)
+    finally:
+        if previous is None:
+            os.environ.pop(CHECK_INPUTS_ENV, None)
+        else:
+            os.environ[CHECK_INPUTS_ENV] = previous
+    return flat, outputs
 
 
 class _FlatRunner:
     """Calls the compiled model with a flat list of tensors (skips pytree work on the hot path)."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: Any, run: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None):
         self.runner = runner
-        self._run = runner.loader.boxed_run
+        self._run = run if run is not None else runner.loader.boxed_run
 
     def __call__(self, *flat: torch.Tensor) -> list[torch.Tensor]:
         # The compiled kernels index inputs with the strides of the (contiguous) example tensors and

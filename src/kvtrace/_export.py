@@ -24,7 +24,15 @@ from typing import Any
 
 import torch
 
-from kvtrace._artifact import BACKENDS, PACKED_MODEL, Manifest, ModelInfo, dedupe_weights, write_artifact
+from kvtrace._artifact import (
+    BACKENDS,
+    PACKED_MODEL,
+    Manifest,
+    ModelInfo,
+    dedupe_weights,
+    program_signature,
+    write_artifact,
+)
 from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
 from kvtrace._preserve import preserved
 from kvtrace._program_spec import LOGITS, InputSpec, ProgramSpec, program_specs
@@ -311,6 +319,8 @@ def export(
         kvtrace_version=__version__,
         torch_version=torch.__version__,
         export_seconds=round(time.perf_counter() - t0, 3),
+        # what each program takes, checked at load against the CacheSpec (aoti-packed: one "step" program)
+        signatures={PACKED_MODEL if backend == "aoti-packed" else n: program_signature(ep) for n, ep in eps.items()},
     )
     return write_artifact(path, manifest, unique, files, tokenizer_json)
 
