@@ -139,3 +139,15 @@ def test_cache_list_counts_artifacts_only(hf_dir):
     built = cached_artifact(str(hf_dir), **OPTS)
     (built.path.parent / f".{built.path.name}.zz.tmp").write_bytes(b"x")
     assert list_artifacts() == [(built.path, built.path.stat().st_size)]
+
+
+def test_key_changes_with_the_artifact_format(monkeypatch):
+    """A new artifact format (kvtrace._artifact.VERSION) never serves a cached entry of the old one, even when
+    kvtrace's own version string did not change."""
+    import kvtrace._artifact as artifact
+    from kvtrace._build import artifact_key
+
+    opts = dict(backend="aoti", max_seq_len=64, dtype="float32", batch_size=1)
+    before = artifact_key("abc", **opts)
+    monkeypatch.setattr(artifact, "VERSION", artifact.VERSION + 1)
+    assert artifact_key("abc", **opts) != before

@@ -97,6 +97,18 @@ def test_run_is_deterministic_with_seed(artifact, capsys):
     assert a == b
 
 
+def test_run_checks_the_pinned_sha256_before_reading_the_artifact(artifact, capsys):
+    import hashlib
+
+    good = hashlib.sha256(artifact.read_bytes()).hexdigest()
+    args = ["run", str(artifact), "--prompt", "hello", "--max-len", "8", "--raw", "--json"]
+    assert main([*args, "--expected-sha256", good]) == 0
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == 1
+    assert main([*args, "--expected-sha256", "0" * 64]) == 2
+    line = _error_line(capsys)
+    assert "sha" in line.lower() and good[:8] in line  # says which hash the file has
+
+
 def test_generate_caches_the_compiled_artifact(hf_dir, capsys):
     args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
             "--max-new-tokens", "4", "--raw", "--json", "--temperature", "2", "--seed", "1"]

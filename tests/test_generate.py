@@ -73,7 +73,8 @@ def test_sampling_is_seeded_and_filters():
     assert int(sample(logits, Sampling(), None)) == 1
 
 
-@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}])
+@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"temperature": float("nan")}, {"temperature": float("inf")},
+                                    {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": float("nan")}])
 def test_bad_sampling_settings(kwargs):
     with pytest.raises(UsageError):
         Sampling(**kwargs)

@@ -24,7 +24,7 @@ from kvtrace._errors import (
     UsageError,
 )
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "ArtifactError",

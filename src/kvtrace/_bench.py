@@ -177,7 +177,8 @@ def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, d
     else:
         from kvtrace._build import cached_artifact
 
-        path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype).path
+        # load=True: a cached entry that fails its integrity check is rebuilt, as for generate
+        path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True).path
     if not load_session:
         def unloaded(*_: Any) -> Any:
             raise RuntimeError("this artifact is measured in another process")

@@ -45,8 +45,9 @@ class BuildResult:
 def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, batch_size: int,
                  prefill_logits: str = "last") -> str:
     from kvtrace import __version__
+    from kvtrace._artifact import VERSION  # a new artifact format never serves entries of the old one
 
-    blob = json.dumps([digest, backend, max_seq_len, dtype, batch_size, __version__, torch.__version__,
+    blob = json.dumps([digest, backend, max_seq_len, dtype, batch_size, __version__, VERSION, torch.__version__,
                        *([] if prefill_logits == "all" else [prefill_logits])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 

@@ -204,7 +204,7 @@ def cmd_run(args: argparse.Namespace, ui: _UI) -> int:
 
     prompt = _read_prompt(args.prompt)
     with ui.step(f"loading {args.file}"):
-        art = load(args.file)
+        art = load(args.file, expected_sha256=args.expected_sha256)
     n_prompt = len(_encode(art, prompt, args.chat))
     if args.max_len <= n_prompt:
         raise UsageError(f"--max-len {args.max_len} leaves no room after the {n_prompt}-token prompt; raise it")
@@ -408,6 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-features", default=None, metavar="FILE.safetensors",
                    help="vision decoder artifacts: image features for the prefill, a .safetensors file holding "
                         "cross_attention_states [1, N, dim] (and optionally cross_attention_mask [1, T, N])")
+    p.add_argument("--expected-sha256", default=None, metavar="HEX",
+                   help="refuse the artifact unless the whole file has this SHA-256 (checked before anything in "
+                        "it is read; aoti artifacts hold native code: pin the hash of one you trust)")
     _sampling_args(p)
     p.set_defaults(func=cmd_run)
 

@@ -5,6 +5,7 @@ Runs at artifact-run time: imports neither transformers nor anything that unpick
 
 from __future__ import annotations
 
+import math
 import resource
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -29,11 +30,11 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise UsageError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise UsageError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k is not None and self.top_k < 1:
             raise UsageError(f"top_k must be >= 1, got {self.top_k}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
+        if self.top_p is not None and not 0 < self.top_p <= 1:  # NaN fails this too
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
