@@ -140,7 +140,8 @@ def test_zero_recaptures_over_lengths():
         assert jm.stats.captures == 2
     extend = tokens(1, 20, seed=2)
     jo = jm(input_ids=extend, attention_mask=ones(1, 90), cache=jc)
-    assert jm.stats.captures == 2 and jm.stats.calls == 66
+    # an extend (T >= 2 on a filled cache) is its own size class (CallKey.sizes), captured once for any T >= 2
+    assert jm.stats.captures == 3 and jm.stats.calls == 66
     assert jm.stats.specializations == []
     ec = DynamicCache()  # eager sees the same 90 tokens, in two calls
     model(input_ids=ids, attention_mask=ones(1, 70), cache=ec)
@@ -208,7 +209,7 @@ def test_static_cache_matches_eager_and_overflows_cleanly():
         if i < 8:
             mask = grow(mask)
             jo, eo = step(jm, model, jc, ec, input_ids=greedy(eo.logits), attention_mask=mask)
-    assert jm.stats.captures == 1
+    assert jm.stats.captures == 2  # prefill (T >= 2) and decode (T = 1): the size classes of CallKey.sizes
     assert int(jc.get_seq_length()) == 14
     before = kv(jc)
     copies = [t.clone() for t in before]
@@ -447,7 +448,7 @@ def test_inductor_dynamic_cache():
         assert_caches_close(jc, ec, torch.float32)
         ids = greedy(eo.logits) if i < 8 else tokens(1, 5, seed=3)  # 8 decode steps, then a 5-token extend
         mask = grow(mask, ids.shape[1])
-    assert jm.stats.captures == 2
+    assert jm.stats.captures == 3  # prefill, decode (T = 1), extend (T >= 2 on a filled cache)
     print(f"\ninductor tiny llama: first={seconds[0]:.2f}s second={seconds[1]:.2f}s "
           f"median later={statistics.median(seconds[2:]):.4f}s")
 
@@ -466,4 +467,7 @@ def test_shortest_lengths_one_token_prompt_then_decode(backend):
             assert_close(j.logits, e.logits, torch.float32, f"prompt {prompt}, length {mask.shape[1]}")
             assert_caches_close(jc, ec, torch.float32)
             ids, mask = e.logits[:, -1:].argmax(-1), grow(mask)
-    assert jm.stats.captures == 2
+    # one program per size class (CallKey.sizes): fresh T=1, decode at P=1, decode at P>=2 (both prompts), fresh T=2
+    assert jm.stats.captures == 4
+    assert sorted((k.cache.value, k.sizes) for k in jm._programs) == [
+        ("dynamic", (1, 1)), ("dynamic", (1, 2)), ("dynamic-fresh", (1, 0)), ("dynamic-fresh", (2, 0))]

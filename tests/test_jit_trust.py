@@ -99,6 +99,27 @@ class RemembersLength(tf.LlamaForCausalLM):
         return out
 
 
+class OneTokenFastPath(tf.LlamaForCausalLM):
+    """(e) A separate path for one new token (``if T == 1``). torch.export traces every size as >= 2 and records
+    no guard for this branch, so a program traced at T = 3 would take the T > 1 path for decodes."""
+
+    def forward(self, input_ids=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if input_ids.shape[1] == 1:
+            out.logits = out.logits - 3
+        return out
+
+
+class SinglePastTokenPath(tf.LlamaForCausalLM):
+    """(e') Likewise for a cache holding exactly one token (``if P == 1``)."""
+
+    def forward(self, input_ids=None, cache=None, **kwargs):
+        out = super().forward(input_ids=input_ids, cache=cache, **kwargs)
+        if cache is not None and cache.get_seq_length() - input_ids.shape[1] == 1:
+            out.logits = out.logits * 0.5
+        return out
+
+
 def planted(cls: type) -> torch.nn.Module:
     torch.manual_seed(0)
     model = cls(tf.LlamaConfig(**TINY)).eval().requires_grad_(False)
@@ -243,3 +264,28 @@ def test_length_stored_on_self_is_refused_and_the_model_restored(backend):
     assert jm.stats.captures == 0
     model(input_ids=tokens(1, 2), cache=DynamicCache())  # eager still works and counts on
     assert model.seen == 5
+
+
+# --- (e) a branch on a size of 1: no guard records it, the size classes keep it apart ----------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_one_token_path_matches_eager(backend):
+    """Decodes (T = 1) run a program traced at T = 1, never the prefill's T >= 2 one (CallKey.sizes)."""
+    jm, err, calls = generation(planted(OneTokenFastPath), backend)
+    assert err is None and calls == 1 + DECODES
+    assert jm.stats.captures == 2
+    assert sorted(k.sizes for k in jm._programs) == [(1, 2), (2, 0)]
+
+
+def test_single_past_token_path_matches_eager():
+    """A 1-token prompt, then decodes at P = 1, 2, 3: the P = 1 decode has its own program."""
+    model = planted(SinglePastTokenPath)
+    jm = kvtrace.jit(model, backend="eager")
+    jc, ec = DynamicCache(), DynamicCache()
+    ids = tokens(1, 1)
+    for past in range(4):
+        kw = dict(input_ids=ids, attention_mask=ones(1, past + 1))
+        jo, eo = jm(cache=jc, **kw), model(cache=ec, **kw)
+        assert_close(jo.logits, eo.logits, torch.float32, f"logits at P = {past}")
+        assert_caches_close(jc, ec, torch.float32)
+        ids = greedy(eo.logits)
+    assert sorted(k.sizes for k in jm._programs) == [(1, 0), (1, 1), (1, 2)]

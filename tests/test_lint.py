@@ -11,7 +11,7 @@ import transformers as tf
 
 from conftest import TINY, tiny_model
 from kvtrace import _hf_cache
-from kvtrace._lint import KINDS, Finding, LintReport, lint
+from kvtrace._lint import EXPECTED_PROGRAMS, KINDS, Finding, LintReport, lint
 
 
 class BranchOnLength(tf.LlamaForCausalLM):
@@ -116,12 +116,14 @@ def test_lint_reports_nothing_for_the_real_adapters(arch, adapter_report):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_real_adapters_capture_twice_with_no_length_baked_in(arch, adapter_report):
-    """Three prompts (5+1, 9+3, and the shortest 1+1) reuse the same two programs."""
+def test_real_adapters_capture_once_per_size_class_with_no_length_baked_in(arch, adapter_report):
+    """Three prompts (5+1, 9+3, and the shortest 1+1): one program per cache kind and size class of (T, P) —
+    fresh T>=2, decode T=1, extend T>=2, fresh T=1, decode T=1 at P=1 — and the second prompt reuses them."""
     report = adapter_report(arch)
-    assert report.captures == 2 and len(report.calls) == 6
+    assert EXPECTED_PROGRAMS == 5
+    assert report.captures == EXPECTED_PROGRAMS and len(report.calls) == 6
     doc = json.loads(report.to_json())
-    assert doc["captures"] == 2 and len(doc["findings"]) == len(report.findings)
+    assert doc["captures"] == EXPECTED_PROGRAMS and len(doc["findings"]) == len(report.findings)
 
 
 def test_lint_reports_recaptures_and_cache_mutations(monkeypatch):
@@ -143,7 +145,7 @@ def test_lint_reports_recaptures_and_cache_mutations(monkeypatch):
     assert calls == [5, 1, 9, 3, 1, 1]
     recaptures = report.of_kind("recapture")
     assert any("dtypes" in f.message and "call 3" in f.where for f in recaptures), show(report)
-    assert any("3 programs captured over 6 calls" in f.message for f in recaptures), show(report)
+    assert any(f"{EXPECTED_PROGRAMS + 1} programs captured over 6 calls" in f.message for f in recaptures), show(report)
     mutations = report.of_kind("mutation")
     for i in range(1, 7):
         assert any(f"call {i} " in f.where and "cache.layers[1].values" in f.message for f in mutations), show(report)

@@ -9,10 +9,11 @@ as one compiled predicate over the argument shapes (a few integer comparisons), 
 a call it was not traced for: kvtrace.jit checks it in the prologue and captures another program instead.
 
 Left out on purpose: torch.export reasons as if every dynamic size were >= 2 (it specialises 0 and 1, so the
-examples are >= 2) without recording a guard for it. The lower bounds of the ranges (``[2, oo]`` for a size,
-``[4, oo]`` for a sum of two) are that artifact, not something the graph needs; they are not checked, and
-kvtrace's tests run T = 1, P = 0 and P = 1 against eager. A model whose code branches on a length being 0
-or 1 therefore records no guard at all: no contract can see it (``kvtrace lint`` runs those lengths).
+examples are >= 2) without recording a guard for it, so a branch on a length being 0 or 1 leaves no trace
+in any contract. kvtrace.jit therefore keys programs on the size class of T and P (``CallKey.sizes``: 0, 1
+or >= 2) and traces a T = 1 or P = 1 program at exactly that size: a program traced at >= 2 never runs a
+size-1 call. The lower bounds of the ranges (``[2, oo]`` for a size, ``[4, oo]`` for a sum of two) are then
+implied by the key, not checked here.
 """
 
 from __future__ import annotations

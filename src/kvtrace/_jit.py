@@ -98,6 +98,18 @@ class CallKey:
     # new token (it attends every image token) and for more (is_causal=True). "one-token" (a program with
     # T fixed at 1) or "causal"; "" when a mask is given or no cross layer runs.
     unmasked_cross: str = ""
+    # Size classes of (T new tokens, P past tokens): min(size, 2). torch.export treats 0 and 1 as their own
+    # graphs (it specialises them and traces every other size as >= 2 *without recording a guard*), so a
+    # program traced at T >= 2 could take another branch of ``if T == 1:`` than eager does, unseen by any
+    # contract. Keyed here, a program only ever runs sizes of the class it was traced with: decode (T = 1)
+    # and extend (T >= 2 on a filled cache) are two programs; within a class lengths stay symbolic.
+    sizes: tuple[int, int] = (2, 2)
+
+
+def size_classes(t_len: int, past: int, kind: CacheKind) -> tuple[int, int]:
+    """``CallKey.sizes``: (min(T, 2), min(P, 2)); P is 2 where it is no tensor size (StaticCache, no cache)."""
+    dynamic_past = kind in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH)
+    return min(t_len, 2), min(past, 2) if dynamic_past else 2
 
 
 @dataclass(frozen=True)
@@ -323,6 +335,7 @@ class JittedModel:
             logits_to_keep=keep,
             layers=layers,
             unmasked_cross=_unmasked_cross(given, image, t_len),
+            sizes=size_classes(t_len, past, kind),
         )
         return _Call(key=key, tensors=tensors, cache=cache, return_dict=bool(return_dict), past_len=past,
                      weights=weights, cross_len=cross_len)
@@ -420,11 +433,13 @@ class JittedModel:
 
         key = call.key
         t_ex = call.tensors[0].shape[1] if exact else _T_EX
-        if key.unmasked_cross == "one-token":  # T = 1 is this program's graph, not a length: keep it static
-            t_ex = 1
+        if key.sizes[0] < 2:  # T = 1 is this program's graph, not a length: keep it static (see CallKey.sizes)
+            t_ex = key.sizes[0]
         elif key.unmasked_cross == "causal" and not exact:
             t_ex = _T_CAUSAL_EX
         p_ex = call.past_len if exact else (0 if key.cache is CacheKind.DYNAMIC_FRESH else _P_EX)
+        if key.cache is CacheKind.DYNAMIC and key.sizes[1] < 2:  # P = 0 or 1: likewise static
+            p_ex = key.sizes[1]
         nc_ex = call.cross_len if exact else (_NC_EX if hfc.CROSS_FILLED in key.layers else 0)
         if key.static_len is not None:
             p_ex = min(p_ex, max(key.static_len - t_ex, 0))

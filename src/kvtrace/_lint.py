@@ -1,19 +1,22 @@
 """kvtrace lint: will a model capture cleanly under ``kvtrace.jit``, for every length, without side effects?
 
 ``lint(model)`` drives ``kvtrace.jit(model, backend="eager")`` through a fixed scenario that changes
-every length between the two captures a correct model needs (one program for a fresh DynamicCache,
-one for a filled one)::
+every length within the programs a correct model needs: one per cache kind (fresh or filled
+DynamicCache) and size class of T and P (1, or >= 2: torch.export specialises size 1, see
+``kvtrace._jit.CallKey.sizes``)::
 
-    call 1  prefill 5 tokens on a fresh DynamicCache      -> captures the "dynamic-fresh" program
-    call 2  decode 1 token at position 5                   -> captures the "dynamic" program
+    call 1  prefill 5 tokens on a fresh DynamicCache      -> captures the "dynamic-fresh" program (T>=2)
+    call 2  decode 1 token at position 5                   -> captures the "dynamic" program (T=1)
     call 3  prefill 9 tokens on another fresh DynamicCache -> must reuse program 1
-    call 4  extend by 3 tokens at position 9               -> must reuse program 2
+    call 4  extend by 3 tokens at position 9               -> captures the "dynamic" program (T>=2)
+    call 5  prefill 1 token on a fresh DynamicCache        -> captures the "dynamic-fresh" program (T=1)
+    call 6  decode 1 token at position 1                   -> captures the "dynamic" program (T=1, P=1)
 
 and reports, as ``Finding(kind, message, where)``:
 
-* ``recapture``      a call captured a program beyond the expected two (or jit had to pin a length);
+* ``recapture``      a call captured a program beyond those (EXPECTED_PROGRAMS), or jit had to pin a length;
 * ``specialization`` a guard or a constant shape in a captured program refuses a sequence length or
-                     position it must accept (any T >= 1 new tokens, P >= 1 cached ones; checked against
+                     position it must accept (any T and P of its size class; checked against
                      the program's placeholders, range constraints and runtime asserts, and the guards
                      torch.export logged, with the source line that added them), or the graph's
                      structure changes with the length;
@@ -55,7 +58,11 @@ KINDS = ("recapture", "specialization", "baked-constant", "mutation", "mismatch"
 # (prompt length, then tokens added to the filled cache): every length and start position differs.
 # (prompt tokens, then new tokens): a decode, an extend, and the shortest lengths (T = 1, P = 1).
 SCENARIO = ((5, 1), (9, 3), (1, 1))
-EXPECTED_PROGRAMS = 2
+# One program per cache kind and size class of (T, P) (kvtrace._jit.CallKey.sizes: torch.export specialises
+# sizes 0 and 1): the scenario's classes are fresh T >= 2, fresh T = 1, decode T = 1 at P >= 2 and at P = 1,
+# extend T >= 2 at P >= 2.
+EXPECTED_PROGRAMS = len({(p == 0, min(t, 2), min(p, 2)) for prompt, more in SCENARIO
+                         for t, p in ((prompt, 0), (more, prompt))})
 # Example sizes of the second capture of each program (the first one is jit's own, _T_EX/_P_EX).
 _T_B, _P_B = 7, 11
 # Lengths a program must accept: a prompt or decode of 1 token, a cache holding 1 token, and up.
@@ -227,10 +234,18 @@ def _seq_dims(call: Any, n_layers: int) -> list[tuple[str, int, str]]:
 _ROLE_TEXT = {"T": "new-token count T", "P": "past length P", "P+T": "total length P+T"}
 
 
-def _assignments(fresh: bool, max_len: int | None) -> list[dict[str, int]]:
-    ps = (0,) if fresh else _P_VALUES
+def _in_class(values: tuple[int, ...], size_class: int) -> tuple[int, ...]:
+    """The values of one size class (CallKey.sizes): exactly 0 or 1, or every value >= 2."""
+    return (size_class,) if size_class < 2 else tuple(v for v in values if v >= 2)
+
+
+def _assignments(key: Any, max_len: int | None) -> list[dict[str, int]]:
+    """Every (T, P) a program of ``key`` must accept: the lengths of its size classes."""
+    from kvtrace._hf_cache import CacheKind
+
+    ps = (0,) if key.cache is CacheKind.DYNAMIC_FRESH else _in_class(_P_VALUES, key.sizes[1])
     out = []
-    for t, p in itertools.product(_T_VALUES, ps):
+    for t, p in itertools.product(_in_class(_T_VALUES, key.sizes[0]), ps):
         if max_len is None or t + p <= max_len:
             out.append({"T": t, "P": p, "P+T": p + t})
     return out
@@ -296,7 +311,10 @@ def _node_where(node: torch.fx.Node) -> str:
 
 
 def _program_name(call: Any) -> str:
-    return f"{call.key.cache.value} program"
+    t_class, p_class = call.key.sizes
+    fresh = call.key.cache.value == "dynamic-fresh"
+    classes = ("T=1" if t_class == 1 else "T>=2") + ("" if fresh or p_class == 2 else f", P={p_class}")
+    return f"{call.key.cache.value} program ({classes})"
 
 
 # --- checks on one captured program --------------------------------------------------------------------
@@ -311,7 +329,11 @@ def _check_guards(cap: _Capture, n_layers: int, max_len: int | None) -> Iterator
     prog = _program_name(cap.call)
     dims = _seq_dims(cap.call, n_layers)
     fresh = cap.call.key.cache is CacheKind.DYNAMIC_FRESH
-    assignments = _assignments(fresh, max_len)
+    assignments = _assignments(cap.call.key, max_len)
+    # roles a size class holds at one value (T = 1, P = 1): static on purpose, not a specialization
+    fixed = {r for r, c in (("T", cap.call.key.sizes[0]), ("P", cap.call.key.sizes[1])) if c < 2}
+    if {"T", "P"} <= fixed or (fresh and "T" in fixed):
+        fixed.add("P+T")
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
 
     # symbol -> role: from the symbols export created for each argument, then from the placeholders.
@@ -355,7 +377,7 @@ def _check_guards(cap: _Capture, n_layers: int, max_len: int | None) -> Iterator
     for a, (node, (desc, d, role)) in enumerate(zip(placeholders, dims, strict=False)):
         size = node.meta["val"].shape[d]
         expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
-        if not expr.is_number:
+        if not expr.is_number or role in fixed:
             continue
         if any(sa == (a, d) and sym in explained for sym, sa in cap.symbols.items()):
             continue
@@ -604,7 +626,7 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
     max_len = getattr(cfg, "max_position_embeddings", None)
     findings: list[Finding] = []
     calls: list[str] = []
-    programs_by_kind: dict[str, Any] = {}  # cache kind -> key of the first program captured for it
+    programs_by_kind: dict[Any, Any] = {}  # (cache kind, size classes) -> key of the first program captured for it
 
     steps = []
     for prompt, more in SCENARIO:
@@ -661,7 +683,7 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
                 findings.append(Finding("mismatch", f"logits differ from eager by {diff:.3g} > {lim:.3g}", where))
         if jm.stats.captures > captures:
             for key in (k for k in jm._programs if k not in keys_before):
-                first = programs_by_kind.setdefault(key.cache.value, key)
+                first = programs_by_kind.setdefault((key.cache.value, key.sizes), key)
                 if first is not key:
                     changed = {f.name: getattr(key, f.name) for f in dataclasses.fields(key)
                                if getattr(key, f.name) != getattr(first, f.name)}
@@ -672,7 +694,8 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
                                             where))
     if jm.stats.captures > EXPECTED_PROGRAMS:
         findings.append(Finding("recapture", f"{jm.stats.captures} programs captured over {len(steps)} calls; "
-                                f"expected {EXPECTED_PROGRAMS} (one per cache kind, whatever the lengths)",
+                                f"expected {EXPECTED_PROGRAMS} (one per cache kind and size class of T and P, "
+                                "whatever the lengths)",
                                 "kvtrace.jit stats"))
     for s in jm.stats.specializations:
         findings.append(Finding("specialization", f"kvtrace.jit pinned a length: {s}", "kvtrace.jit capture"))
@@ -685,11 +708,15 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
         findings.extend(_check_guards(cap, n_layers, max_len))
         prog = _program_name(cap.call)
         fresh = cap.call.key.cache.value == "dynamic-fresh"
-        p_a = 0 if fresh else _P_EX
-        sizes_a = f"T={_T_EX}" + ("" if fresh else f", P={p_a}")
-        sizes_b = f"T={_T_B}" + ("" if fresh else f", P={_P_B}")
+        t_class, p_class = cap.call.key.sizes
+        if t_class < 2 and (fresh or p_class < 2):
+            continue  # every length of this program is fixed by its size class: nothing to vary
+        t_a, t_b = (_T_EX, _T_B) if t_class == 2 else (t_class, t_class)
+        p_a, p_b = (0, 0) if fresh else (_P_EX, _P_B) if p_class == 2 else (p_class, p_class)
+        sizes_a = f"T={t_a}" + ("" if fresh else f", P={p_a}")
+        sizes_b = f"T={t_b}" + ("" if fresh else f", P={p_b}")
         try:
-            other = _recapture_with(jm, cap, _T_B, _P_B)
+            other = _recapture_with(jm, cap, t_b, p_b)
         except Exception as e:
             findings.append(Finding("specialization", f"{prog}: capturing it again with {sizes_b} failed "
                                     f"({_one_line(e)})", "torch.export"))
