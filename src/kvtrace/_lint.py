@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from kvtrace._errors import one_line
 from kvtrace._tolerances import tolerance_for
 
 __all__ = ["KINDS", "Finding", "LintReport", "lint", "run_cli_lint"]
@@ -661,7 +662,7 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
                 out = jm(**kwargs)
         except Exception as e:
             out = None
-            findings.append(Finding("error", _one_line(e), where))
+            findings.append(Finding("error", one_line(e), where))
         after_inputs = _state({k: v for k, v in kwargs.items() if k != cache_kw}, "inputs", {})
         want_inputs = _state(eager_inputs, "inputs", {}) if out is not None else before_inputs
         for d in _differences(after_inputs, want_inputs, exact=out is None):
@@ -719,7 +720,7 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
             other = _recapture_with(jm, cap, t_b, p_b)
         except Exception as e:
             findings.append(Finding("specialization", f"{prog}: capturing it again with {sizes_b} failed "
-                                    f"({_one_line(e)})", "torch.export"))
+                                    f"({one_line(e)})", "torch.export"))
             continue
         findings.extend(_diff_programs(prog, cap, other, sizes_a, sizes_b))
     return LintReport(model=type(model).__name__, calls=tuple(calls), captures=jm.stats.captures,
@@ -738,11 +739,6 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float, float]:
     diff = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
     lim = tol.limit(b.float().abs().max().item() if b.numel() else 0.0)
     return diff <= lim, diff, lim
-
-
-def _one_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0][:300]}" if lines else type(e).__name__
 
 
 def _dedupe(findings: list[Finding]) -> list[Finding]:
