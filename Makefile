@@ -24,8 +24,9 @@ demo: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
+# -n auto --dist loadfile: one worker per core, whole test files per worker (module fixtures built once)
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not compile"
