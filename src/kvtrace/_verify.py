@@ -263,10 +263,6 @@ def _finite(x: Any) -> Any:
     return x
 
 
-def _over(d: float, limit: float) -> bool:
-    return not d <= limit  # NaN is over every limit
-
-
 def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand: Runner,
              ref_logits: torch.Tensor, cand_logits: torch.Tensor, tol: Tolerance,
              fp32: Runner | None = None, fp32_logits: torch.Tensor | None = None) -> StepRow:
