@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import kvtrace
-from kvtrace._cli import main
-from kvtrace._verify import EagerRunner, SessionRunner, render, verify
+from kvtrace.cli.main import main
+from kvtrace.tools.verify import EagerRunner, SessionRunner, render, verify
 
 pytestmark = pytest.mark.slow
 
@@ -30,14 +30,14 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol(cache_dir):
-    from kvtrace._sources import load_model
+    from kvtrace.sources.resolve import load_model
 
     return load_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
 def chat_ids(smol):
-    from kvtrace._sources import apply_chat_template
+    from kvtrace.sources.resolve import apply_chat_template
 
     tok = smol.tokenizer
     text = apply_chat_template(smol.chat_template, [{"role": "user", "content": QUESTION}],

@@ -48,22 +48,22 @@ __all__ = [
 # Heavy modules (torch, transformers) are imported lazily: `import kvtrace` has no side effects
 # and loading an artifact never pulls in transformers.
 _LAZY = {
-    "CacheSpec": "kvtrace._cache_spec",
-    "LayerKind": "kvtrace._cache_spec",
-    "LayerSpec": "kvtrace._cache_spec",
-    "jit": "kvtrace._jit",
-    "export": "kvtrace._export",
-    "load": "kvtrace._artifact",
-    "verify": "kvtrace._verify",
-    "Prompt": "kvtrace._verify",
+    "CacheSpec": "kvtrace.spec.cache",
+    "LayerKind": "kvtrace.spec.cache",
+    "LayerSpec": "kvtrace.spec.cache",
+    "jit": "kvtrace.runtime.jit",
+    "export": "kvtrace.artifact.export",
+    "load": "kvtrace.artifact.archive",
+    "verify": "kvtrace.tools.verify",
+    "Prompt": "kvtrace.tools.verify",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtrace._artifact import load
-    from kvtrace._cache_spec import CacheSpec, LayerKind, LayerSpec
-    from kvtrace._export import export
-    from kvtrace._jit import jit
-    from kvtrace._verify import Prompt, verify
+    from kvtrace.artifact.archive import load
+    from kvtrace.artifact.export import export
+    from kvtrace.runtime.jit import jit
+    from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
+    from kvtrace.tools.verify import Prompt, verify
 
 
 def __getattr__(name: str) -> Any:

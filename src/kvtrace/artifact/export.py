@@ -1,0 +1,221 @@
+"""kvtrace.export: source -> Decoder + CacheSpec -> captured programs -> backend files -> one artifact.
+
+The orchestration only: capture lives in ``capture.export``, compilation in ``backends``, the file
+format in ``artifact.archive``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
+from kvtrace.artifact.archive import (
+    BACKENDS,
+    PACKED_MODEL,
+    Manifest,
+    ModelInfo,
+    dedupe_weights,
+    program_signature,
+    write_artifact,
+)
+from kvtrace.capture.export import _example_args, capture_programs, with_prefill_logits
+from kvtrace.spec.program import program_specs
+
+__all__ = ["export"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Tensor]:
+    from kvtrace.backends.aoti import weights_of
+
+    out: dict[str, torch.Tensor] = {}
+    for ep in eps.values():
+        for name, t in weights_of(ep).items():
+            if name in out and out[name].data_ptr() != t.data_ptr():
+                prev = out[name]
+                if prev.shape == t.shape and prev.dtype == t.dtype and torch.equal(prev, t):
+                    continue  # e.g. a constant lifted by each capture: same value, store it once
+                raise CaptureError(f"programs disagree about weight {name}; they must share one weight set")
+            out[name] = t
+    return out
+
+
+def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
+                   dtype: torch.dtype = torch.float32) -> dict[str, bytes]:
+    if backend == "exported":
+        from torch._export.serde.serialize import serialize
+
+        return {
+            f"programs/{name}.json": serialize(
+                ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
+            ).exported_program
+            for name, ep in eps.items()
+        }
+    from torch._inductor.package import package_aoti
+
+    from kvtrace.backends.aoti import export_options
+
+    packed = backend == "aoti-packed"
+    if packed:  # one program, T symbolic, serves prefill and decode: its prepacked weights exist once
+        eps = {PACKED_MODEL: eps["prefill"]}
+    with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
+        files = {}
+        for name, ep in eps.items():
+            opts = {**export_options(packed, dtype), "aot_inductor.package": True,
+                    "aot_inductor.model_name_for_generated_files": name}
+            with torch.compiler.config.patch(force_disable_caches=True):  # see _compile.EXPORT_NO_CACHE
+                files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
+        pkg = Path(tmp) / "aoti.pt2"
+        package_aoti(str(pkg), files)
+        return {"programs/aoti.pt2": pkg.read_bytes()}
+
+
+def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int,
+                 image_tokens: int | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
+    """(decoder, eager HF model or None, model info, tokenizer JSON or None) for a source string/path,
+    an HF model or a Decoder."""
+    from kvtrace.models.hf_generic import make_decoder
+
+    if isinstance(source, torch.nn.Module) and hasattr(source, "cache_spec"):
+        return source, None, ModelInfo(model_name=type(source).__name__), None
+    if isinstance(source, torch.nn.Module):
+        model = source
+        if any(t.dtype != dtype for t in model.parameters() if t.is_floating_point()):
+            # nn.Module.to() converts in place; convert a copy so the caller's model is left untouched.
+            model = copy.deepcopy(source).to(dtype)
+        info = ModelInfo(model_name=type(model).__name__, model_type=model.config.model_type,
+                         eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
+        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size,
+                            image_tokens=image_tokens), model, info, None
+    from kvtrace.sources.resolve import load_model
+
+    loaded = load_model(source, dtype=dtype)
+    info = ModelInfo(
+        model_name=loaded.source.name,
+        model_type=loaded.model.config.model_type,
+        source_digest=loaded.source.digest,
+        bos_id=loaded.bos_id,
+        eos_ids=tuple(loaded.eos_ids),
+        chat_template=loaded.chat_template,
+    )
+    tokenizer_json = loaded.tokenizer.to_str() if loaded.tokenizer is not None else None
+    decoder = make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens)
+    return decoder, loaded.model, info, tokenizer_json
+
+
+def _eos(config: Any) -> tuple[int, ...]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def export(
+    source: Any,
+    path: str | os.PathLike[str],
+    *,
+    max_seq_len: int = 512,
+    dtype: str | torch.dtype = "float32",
+    batch_size: int = 1,
+    backend: str = "exported",
+    image_tokens: int | None = None,
+    prefill_logits: str = "all",
+    progress: Callable[[str], AbstractContextManager[Any]] | None = None,
+) -> Path:
+    """Export a decoder with its KV cache to one artifact file.
+
+    Args:
+        source: a model name (``"smollm2-135m-instruct"``), a local HF model directory, a Llama-family
+            GGUF file, an HF causal LM object (left untouched; converted on a copy if its dtype differs), or a
+            Decoder module (with a ``cache_spec``, which then decides max_seq_len, batch and dtype).
+        path: the artifact file to write (written atomically: on any error nothing is left behind and an
+            existing file at ``path`` is kept).
+        max_seq_len: cache capacity; prompt + generated tokens must fit.
+        dtype: ``"float32"`` or ``"bfloat16"``.
+        batch_size: rows per call (static).
+        backend: ``"exported"`` (portable torch.export programs), ``"aoti"`` (AOTInductor-compiled) or
+            ``"aoti-packed"`` (AOTInductor with the weights frozen into the program and prepacked for the CPU
+            matmul kernels — in bf16 also max-autotune over Inductor's GEMM templates (AMX): the fastest
+            decode; one program serves prefill and decode and carries the weights, so the artifact holds no
+            separate weights file; decoders with only prefill and decode programs; see ``inductor_options``).
+        image_tokens: vision decoders only (Llama 3.2 Vision's ``MllamaForCausalLM``): N of the image
+            features ``cross_attention_states [B, N, dim]`` the cross-attention cache holds
+            (default 6404 = 4 tiles x 1601, as the HF processor pads every image).
+        prefill_logits: ``"all"`` — prefill returns logits ``[B, T, V]`` for every prompt position (what
+            the eager model returns); ``"last"`` — ``[B, 1, V]``, the last position only, which is all a
+            generation samples from: the vocabulary projection runs on one row instead of T (on the
+            default model ~20 % of a 37-token prefill's FLOPs). Recorded per program in the manifest.
+        progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
+            None for none.
+    """
+    if backend not in BACKENDS:
+        raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if tdtype not in DTYPES.values():
+        raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    if max_seq_len < 1 or batch_size < 1:
+        raise UsageError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+    path = Path(path)
+    if path.is_dir():  # fail before minutes of capture and compilation, not after
+        raise UsageError(f"output path {path} is a directory; expected a file name such as model.kvt")
+    t0 = time.perf_counter()
+    progress = progress or (lambda what: contextlib.nullcontext())
+    with progress("loading model (GGUF is converted once, then cached)"):
+        decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
+                                                            batch_size=batch_size, image_tokens=image_tokens)
+    programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
+    names = [p.name for p in programs]
+    if backend == "aoti-packed" and sorted(names) != ["decode", "prefill"]:
+        raise UsageError(f"backend aoti-packed serves prefill and decode from one program; "
+                         f"{info.model_name or type(decoder).__name__} declares programs {names}. Use --backend aoti")
+    try:
+        with progress("capturing programs (torch.export)"):
+            # aoti-packed compiles the prefill program alone (T symbolic; it serves decode too)
+            eps = capture_programs(decoder, tuple(p for p in programs if backend != "aoti-packed" or p.name == "prefill"))
+            weights = _weights(eps)
+        with progress("serializing programs" if backend == "exported" else f"compiling with AOTInductor ({backend})"):
+            files = _program_files(eps, backend, decoder.cache_spec.torch_dtype)
+    except KvtraceError:
+        raise
+    except Exception as e:
+        raise CaptureError(
+            f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {one_line(e)}"
+        ) from e
+    unique, aliases = dedupe_weights(weights) if backend != "aoti-packed" else ({}, {})  # packed: in the program
+    vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
+    from kvtrace import __version__
+
+    manifest = Manifest(
+        backend=backend,
+        cache_spec=decoder.cache_spec,
+        vocab_size=vocab,
+        programs={p.name: p for p in programs},
+        **asdict(info),
+        generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
+        weight_aliases=aliases,
+        kvtrace_version=__version__,
+        torch_version=torch.__version__,
+        export_seconds=round(time.perf_counter() - t0, 3),
+        # what each program takes, checked at load against the CacheSpec (aoti-packed: one "step" program)
+        signatures={PACKED_MODEL if backend == "aoti-packed" else n: program_signature(ep) for n, ep in eps.items()},
+    )
+    return write_artifact(path, manifest, unique, files, tokenizer_json)
+
+
+def _vocab(ep: torch.export.ExportedProgram) -> int:
+    """V of the logits output (the one user output; mutated state may be listed among the graph outputs)."""
+    (logits,) = ep.graph_signature.user_outputs
+    node = next(n for n in ep.graph.nodes if n.name == logits)
+    return int(node.meta["val"].shape[-1])

@@ -1,0 +1,130 @@
+"""Capture: a Decoder + CacheSpec -> one torch.export program per declared ProgramSpec.
+
+The torch.export glue, kept thin:
+  prefill = export(decoder, (tokens[B, T], input_pos[T], *cache))   T symbolic in [1, max_seq_len]
+  decode  = export(decoder, (tokens[B, 1], input_pos[1], *cache))
+The cache tensors are program inputs that the programs update in place; a Session allocates them
+from the CacheSpec with their declared initial values.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+from typing import Any
+
+import torch
+
+from kvtrace._errors import CaptureError, UsageError
+from kvtrace.capture.preserve import preserved
+from kvtrace.spec.program import LOGITS, InputSpec, ProgramSpec, program_specs
+
+__all__ = ["capture_programs", "with_prefill_logits"]
+
+def capture_programs(decoder: torch.nn.Module,
+                     programs: tuple[ProgramSpec, ...] | None = None) -> dict[str, torch.export.ExportedProgram]:
+    """Export every program the decoder declares (``program_specs``), or those given: prefill (T
+    symbolic), decode (T = 1) and any others (e.g. a vision decoder's image prefill), all over the same
+    cache signature. Each capture leaves ``decoder`` (and the HF model it wraps) as it was (``preserved``)."""
+    from torch.export import Dim
+
+    spec = decoder.cache_spec
+    eps = {}
+    for p in programs if programs is not None else program_specs(decoder):
+        # example length >= 2 keeps T symbolic; a one-slot cache has nothing to be symbolic about
+        # (and Dim refuses min == max), so its prefill is T = 1.
+        t = 1 if p.single_token else min(3, spec.max_seq_len)
+        # key_pos [L]: an example L unequal to T (and >= 2) keeps L its own symbol
+        keys = (torch.arange(t + 2),) if p.key_pos else ()
+        if p.key_pos and spec.max_seq_len < t + 2:
+            raise CaptureError(f"program {p.name} takes key_pos, which needs max_seq_len >= {t + 2}; "
+                               f"this cache holds {spec.max_seq_len}")
+        args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t), *keys,
+                *(_example_input(i, spec.batch_size, t) for i in p.inputs), *spec.allocate())
+        method = _method_module(decoder, p)
+        shapes = None
+        if t > 1 or p.key_pos:
+            shapes = _dynamic_shapes(method, args, p, Dim("T", min=1, max=spec.max_seq_len) if t > 1 else None,
+                                     Dim("L", min=1, max=spec.max_seq_len))
+        with torch.no_grad(), preserved(decoder, what=f"the model ({type(decoder).__name__})"):
+            eps[p.name] = torch.export.export(method, args, dynamic_shapes=shapes, strict=False)
+    return eps
+
+
+def _example_input(i: InputSpec, batch: int, t: int) -> torch.Tensor:
+    return torch.full(i.concrete(batch, t), i.default if i.default is not None else 0.0, dtype=i.torch_dtype)
+
+
+def _method_module(decoder: torch.nn.Module, program: ProgramSpec) -> torch.nn.Module:
+    """``decoder`` itself, or a shallow copy whose ``forward`` is another method and/or whose
+    ``last_logits`` is set: the same parameter objects under the same names, so every program shares
+    one weight set."""
+    method, last = program.method, program.logits == "last"
+    if method == "forward" and not last:
+        return decoder
+    fn = getattr(decoder, method, None)
+    if not callable(fn):
+        raise CaptureError(f"{type(decoder).__name__} declares a program of method {method!r}, which it lacks")
+    alias = copy.copy(decoder)
+    if last:
+        alias.last_logits = True
+    alias.forward = getattr(alias, method)  # bound to the copy, so it sees last_logits
+    return alias
+
+
+def with_prefill_logits(programs: tuple[ProgramSpec, ...], logits: str, decoder: torch.nn.Module
+                        ) -> tuple[ProgramSpec, ...]:
+    """The programs with ``logits`` applied to every T-symbolic one (decode returns one row either way)."""
+    if logits not in LOGITS:
+        raise UsageError(f"prefill_logits must be one of {LOGITS}, got {logits!r}")
+    if logits == "last" and not hasattr(type(decoder), "last_logits"):
+        raise UsageError(
+            f"prefill_logits='last' needs a Decoder that can run its head on the last position only (a class "
+            f"attribute last_logits, as LlamaDecoder, MllamaDecoder and HFDecoder have); {type(decoder).__name__} "
+            "has none. Export with prefill_logits='all'"
+        )
+    return tuple(p if p.single_token else dataclasses.replace(p, logits=logits) for p in programs)
+
+
+def _dynamic_shapes(fn: torch.nn.Module, args: tuple[Any, ...], program: ProgramSpec, t: Any,
+                    n_keys: Any) -> tuple[Any, ...]:
+    """``dynamic_shapes`` shaped like ``fn.forward``'s parameters: T symbolic (``t``; None for a
+    one-token program) in tokens, input_pos and every declared input dim named "T"; L (``n_keys``) in
+    key_pos; the cache is static.
+
+    torch.export matches ``dynamic_shapes`` to the signature, so ``forward(tokens, input_pos, *state)``
+    needs ``(tok, pos, (None, ...))`` while ``forward(tokens, input_pos, k0, v0, bias)`` needs a flat tuple.
+    """
+    inputs = program.inputs
+    per_input = [{d: t for d, size in enumerate(i.shape) if size == "T"} or None if t is not None else None
+                 for i in inputs]
+    keys = [{0: n_keys}] if program.key_pos else []
+    spine = [{1: t}, {0: t}] if t is not None else [None, None]
+    n_state = len(args) - 2 - len(keys) - len(inputs)
+    flat = [*spine, *keys, *per_input, *[None] * n_state]
+    sig = inspect.signature(fn.forward)
+    try:
+        bound = sig.bind(*args).arguments
+    except TypeError as e:
+        raise CaptureError(
+            f"{type(fn).__name__}.forward{sig} cannot take (tokens, input_pos, {'key_pos, ' if keys else ''}"
+            f"{len(inputs)} input(s), *state) with {n_state} state tensors (its cache_spec's buffers): {e}"
+        ) from e
+    out: list[Any] = []
+    i = 0
+    for name, val in bound.items():
+        if sig.parameters[name].kind is inspect.Parameter.VAR_POSITIONAL:
+            out.append(tuple(flat[i : i + len(val)]))
+            i += len(val)
+        else:
+            out.append(flat[i])
+            i += 1
+    return tuple(out)
+
+
+def _example_args(ep: torch.export.ExportedProgram) -> tuple[Any, ...]:
+    args, _ = ep.example_inputs
+    return args
+
+

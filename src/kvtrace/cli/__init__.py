@@ -1,0 +1,4 @@
+"""The ``kvtrace`` command: the only code that prints or exits.
+
+May import anything.
+"""

@@ -1,0 +1,324 @@
+"""Session: owns one cache for one conversation over an artifact's compiled programs.
+
+The position advances in exactly one place (``_run``). Every position handed to a program is a
+tensor (``input_pos``, and ``key_pos = 0 .. end-1`` for programs that attend to the live cache
+prefix only); the Session itself keeps a host-side int so it can refuse to run past ``max_seq_len``
+*before* touching the cache. Extra programs (e.g. a vision decoder's ``prefill_image``) are picked
+by the named inputs given to ``prefill`` and checked against their declared ``InputSpec`` first.
+
+Invariants:
+- every public call validates its arguments before the cache is touched: a refused call leaves the
+  position, the state and the ``once`` programs run exactly as they were;
+- a ``Snapshot`` carries the identity of the artifact (or program pair) it was taken from and is
+  restored only into a session of the same one;
+- a Session is not thread-safe and says so: a call made while another thread is inside a call on the
+  same session raises ``UsageError`` instead of interleaving two updates of one cache (use one session
+  per thread, or serialize calls yourself).
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtrace._errors import CacheOverflowError, UnsupportedError, UsageError
+from kvtrace.spec.cache import CacheSpec
+from kvtrace.spec.program import InputSpec, ProgramSpec
+
+__all__ = ["Session", "Snapshot"]
+
+Program = Callable[..., torch.Tensor]  # (tokens [B, T], input_pos [T], *state) -> logits [B, T, V]
+Tokens = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]  # [B, T] ids; a flat list is one row
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A copy of a session's cache state and position (restore() copies it back).
+
+    ``identity`` names what the state belongs to (an artifact's manifest digest, see ``Session``);
+    ``restore`` refuses a snapshot of another identity even when the tensor shapes agree.
+    """
+
+    position: int
+    state: tuple[torch.Tensor, ...]
+    filled: frozenset[str] = frozenset()  # `once` programs that had run (e.g. the image prefill)
+    identity: str = ""
+
+
+class Session:
+    """One conversation: ``prefill`` the prompt, ``decode`` one token at a time.
+
+    Two sessions never share cache memory: each allocates its own state from the CacheSpec,
+    holding the spec's declared initial values.
+
+    ``identity`` ties snapshots to the programs they were taken with: ``Artifact.session()`` passes the
+    artifact's manifest digest (so a snapshot restores into any session of the same artifact file, also
+    after reloading it); by default it names this prefill/decode program pair.
+
+    Not thread-safe: a call while another thread is inside a call on the same session raises
+    ``UsageError`` (nothing is serialized silently; use one session per thread).
+    """
+
+    def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str = "cpu",
+                 vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None,
+                 prefill_logits: str = "all", key_pos: bool = False, identity: str | None = None):
+        self.spec = spec
+        self.identity = identity if identity is not None else f"programs:{id(prefill):x}:{id(decode):x}"
+        self._busy = threading.Lock()  # held for the duration of every call that reads or writes the cache
+        self._key_pos = key_pos  # prefill and decode take key_pos [L] after input_pos (ProgramSpec.key_pos)
+        # "all": prefill returns logits [B, T, V]; "last": [B, 1, V] (the artifact's programs compute only that)
+        self.prefill_logits = prefill_logits
+        self._prefill = prefill
+        self._decode = decode
+        self._extra = dict(extra or {})  # name -> (spec, program), programs taking named inputs
+        self._vocab = vocab_size  # when known, token ids are checked against it before a program runs
+        self._device = torch.device(device)  # where the state lives, and so every tensor a program gets
+        self._state = spec.allocate(device)  # [B, H_kv, S, D] per k/v buffer, then extras
+        self._pos = 0
+        self._filled: set[str] = set()  # `once` programs run since reset()
+
+    @property
+    def position(self) -> int:
+        """Number of tokens in the cache (the absolute position of the next token)."""
+        return self._pos
+
+    @property
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """The live cache tensors (read-only view for inspection and verification)."""
+        return tuple(self._state)
+
+    @property
+    def filled(self) -> frozenset[str]:
+        """Names of the ``once`` programs run since reset (e.g. ``{"prefill_image"}``: image K/V cached)."""
+        return frozenset(self._filled)
+
+    def input_specs(self) -> dict[str, tuple[InputSpec, ...]]:
+        """Named inputs ``prefill`` accepts, per extra program (empty for a text-only artifact)."""
+        return {name: spec.inputs for name, (spec, _) in self._extra.items()}
+
+    @contextmanager
+    def _exclusive(self, what: str) -> Iterator[None]:
+        """One call at a time: a second thread gets an error, not an interleaved cache."""
+        if not self._busy.acquire(blocking=False):
+            raise UsageError(
+                f"{what}: this Session is already running a call in another thread; a Session owns one cache "
+                "and is not thread-safe. Use one session per thread (artifact.session()) or serialize the calls"
+            )
+        try:
+            yield
+        finally:
+            self._busy.release()
+
+    def prefill(self, tokens: Tokens, **inputs: torch.Tensor | None) -> torch.Tensor:
+        """Run ``tokens [B, T]`` at positions ``position .. position+T-1``; returns logits ``[B, T, V]``,
+        or ``[B, 1, V]`` (the last position's) when ``prefill_logits == "last"``.
+
+        ``tokens`` is an integer tensor ``[B, T]``, or a list of ids (one row) or of rows.
+        ``inputs`` are the named extra inputs of a program the artifact declares, e.g. for a vision
+        decoder ``cross_attention_states [B, N, dim]`` (and optionally ``cross_attention_mask [B, T, N]``).
+        """
+        with self._exclusive("prefill"):
+            return self._prefill_locked(_as_tokens(tokens, "prefill"), inputs)
+
+    def _prefill_locked(self, tokens: torch.Tensor, inputs: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        inputs = {k: v for k, v in inputs.items() if v is not None}
+        if not inputs:
+            return self._run(self._prefill, tokens, "prefill", key_pos=self._key_pos)
+        name, spec, program = self._pick(inputs)
+        if spec.once and name in self._filled:
+            raise UsageError(
+                f"this session already ran {name} (its state, e.g. the image's cross-attention K/V, stays until "
+                f"reset()); call reset() to start a conversation with new {sorted(inputs)}, or prefill text only"
+            )
+        t = tokens.shape[1] if tokens.dim() == 2 else 0
+        args = [_check_input(i, inputs.get(i.name), self.spec.batch_size, t, name) for i in spec.inputs]
+        logits = self._run(program, tokens, name, args, key_pos=spec.key_pos)
+        if spec.once:
+            self._filled.add(name)
+        return logits
+
+    def _pick(self, inputs: dict[str, torch.Tensor]) -> tuple[str, ProgramSpec, Program]:
+        given = set(inputs)
+        hint = (" (no attention_mask is needed: the session tracks positions, and every row is one unpadded "
+                "sequence)" if "attention_mask" in given else "")
+        if not self._extra:
+            raise UsageError(
+                f"prefill got input(s) {sorted(given)}; this artifact's prefill takes token ids only "
+                f"(accepted named inputs: none; it was exported from a text-only model){hint}"
+            )
+        for name, (spec, program) in self._extra.items():
+            names = {i.name for i in spec.inputs}
+            required = {i.name for i in spec.inputs if i.default is None}
+            if required <= given <= names:
+                return name, spec, program
+        accepted = "; ".join(f"{n}: {', '.join(i.describe() for i in s.inputs)}" for n, (s, _) in self._extra.items())
+        raise UsageError(f"prefill got input(s) {sorted(given)}; this artifact accepts {accepted}{hint}")
+
+    def decode(self, token: Tokens) -> torch.Tensor:
+        """Run one token ``[B, 1]`` (a tensor, or ``[[id], ...]``); returns logits ``[B, 1, V]``."""
+        token = _as_tokens(token, "decode")
+        if token.dim() != 2 or token.shape[1] != 1:
+            raise UsageError(f"decode takes one token per row, shape [B, 1]; got {list(token.shape)}")
+        with self._exclusive("decode"):
+            return self._run(self._decode, token, "decode", key_pos=self._key_pos)
+
+    def _run(self, program: Program, tokens: torch.Tensor, what: str,
+             inputs: list[torch.Tensor] | None = None, key_pos: bool = False) -> torch.Tensor:
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise UsageError(f"{what} takes integer token ids of shape [B, T]; got {tokens.dtype} {list(tokens.shape)}")
+        b, t = tokens.shape
+        if b != self.spec.batch_size:
+            raise UsageError(f"this artifact was exported for batch {self.spec.batch_size}; {what} got batch {b}")
+        if t < 1:
+            raise UsageError(f"{what} got 0 tokens; expected at least 1")
+        if self._vocab is not None:
+            lo, hi = int(tokens.min()), int(tokens.max())
+            if lo < 0 or hi >= self._vocab:
+                bad = lo if lo < 0 else hi
+                raise UsageError(f"{what} got token id {bad}, outside the vocabulary [0, {self._vocab})")
+        end = self._pos + t
+        if end > self.spec.max_seq_len:
+            raise CacheOverflowError(
+                f"{what} of {t} token(s) at position {self._pos} needs {end} cache slots, but the cache holds "
+                f"max_seq_len={self.spec.max_seq_len}; reset(), rewind(), or export with a larger --max-seq-len"
+            )
+        dev = self._device
+        input_pos = torch.arange(self._pos, end, dtype=torch.int64, device=dev)  # [T] absolute positions
+        keys = (torch.arange(end, dtype=torch.int64, device=dev),) if key_pos else ()  # [L]: the live cache prefix
+        tokens = tokens.to(device=dev, dtype=torch.int64).contiguous()
+        logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *self._state)
+        self._pos = end
+        return logits
+
+    def reset(self) -> None:
+        """Back to the declared initial state (position 0)."""
+        with self._exclusive("reset"):
+            self.spec.reset_(self._state)
+            self._pos = 0
+            self._filled.clear()
+
+    def rewind(self, n: int) -> None:
+        """Forget the last ``n`` tokens (an int, 0 <= n <= position). Their slots are masked by position
+        and overwritten later."""
+        try:  # ints and int-like objects (numpy ints, 0-dim integer tensors) only; never 1.5 or True
+            if isinstance(n, bool):
+                raise TypeError
+            n = operator.index(n)
+        except TypeError:
+            raise UsageError(f"rewind takes a whole number of tokens; got {type(n).__name__} {n!r}") from None
+        if self.spec.extra:
+            raise UnsupportedError(
+                f"rewind is undefined for caches with extra state {[b.name for b in self.spec.extra]}; "
+                "use snapshot()/restore()"
+            )
+        with self._exclusive("rewind"):
+            if not 0 <= n <= self._pos:
+                raise UsageError(f"rewind({n}): expected 0 <= n <= position ({self._pos})")
+            self._pos -= n
+
+    def snapshot(self) -> Snapshot:
+        """A copy of the cache state, position and ``once`` programs run, tagged with this session's identity."""
+        with self._exclusive("snapshot"):
+            return Snapshot(self._pos, tuple(t.clone() for t in self._state), frozenset(self._filled),
+                            self.identity)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Copy ``snap`` back into this session's own buffers (in place: programs keep their inputs).
+
+        Refused, with the session untouched, when the snapshot comes from another artifact (identity),
+        holds tensors of other shapes or dtypes, or a position outside ``0 .. max_seq_len``.
+        """
+        with self._exclusive("restore"):
+            self._restore_locked(snap)
+
+    def _restore_locked(self, snap: Snapshot) -> None:
+        if not isinstance(snap, Snapshot):
+            raise UsageError(f"restore takes a Snapshot from session.snapshot(); got {type(snap).__name__}")
+        if snap.identity != self.identity:
+            raise UsageError(
+                f"snapshot was taken from {snap.identity or 'an unnamed session'!r}, this session runs "
+                f"{self.identity!r}; restore a snapshot taken from a session of the same artifact"
+            )
+        if isinstance(snap.position, bool) or not isinstance(snap.position, int) or not (
+                0 <= snap.position <= self.spec.max_seq_len):
+            raise UsageError(
+                f"snapshot position {snap.position!r} is not an int in 0 .. max_seq_len={self.spec.max_seq_len}; "
+                "it was not made by snapshot()"
+            )
+        if not isinstance(snap.filled, (set, frozenset)) or not all(isinstance(t, torch.Tensor) for t in snap.state):
+            raise UsageError("snapshot is malformed (state must be tensors, filled a set of names); take it with "
+                             "session.snapshot()")
+        unknown = set(snap.filled) - {n for n, (p, _) in self._extra.items() if p.once}
+        if unknown:
+            raise UsageError(f"snapshot says programs {sorted(unknown)} ran, which this artifact does not have")
+        if len(snap.state) != len(self._state):
+            raise UsageError(f"snapshot holds {len(snap.state)} tensors, this session {len(self._state)}")
+        for b, src in zip(self.spec.buffers(), snap.state, strict=True):
+            if tuple(src.shape) != b.shape or src.dtype != b.torch_dtype:
+                raise UsageError(
+                    f"snapshot tensor for {b.name} is {src.dtype} {list(src.shape)}; this session holds "
+                    f"{b.torch_dtype} {list(b.shape)}. Restore a snapshot taken from a session of the same artifact"
+                )
+        for dst, src in zip(self._state, snap.state, strict=True):
+            dst.copy_(src)
+        self._pos = snap.position
+        self._filled = set(snap.filled)
+
+
+def _as_tokens(tokens: Any, what: str) -> torch.Tensor:
+    """Token ids as given -> a tensor; a list of ints is one row ``[1, T]``, a list of rows ``[B, T]``.
+
+    Tensors pass through unchanged (their dtype and shape are checked by ``Session._run``).
+    """
+    if isinstance(tokens, torch.Tensor):
+        return tokens
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
+        raise UsageError(
+            f"{what} takes token ids: an integer tensor [B, T] or a list of ints; got {type(tokens).__name__}"
+            + (" (encode text with the artifact's tokenizer first)" if isinstance(tokens, str) else "")
+        )
+    rows = list(tokens) if tokens and isinstance(tokens[0], Sequence) else [tokens]
+    if any(not isinstance(r, Sequence) or isinstance(r, (str, bytes)) for r in rows):
+        raise UsageError(f"{what} takes a list of ints or a list of rows of ints; got a mix")
+    if len({len(r) for r in rows}) > 1:
+        raise UsageError(f"{what} got rows of different lengths {[len(r) for r in rows]}; every row needs the same T")
+    for r in rows:
+        for i in r:
+            if isinstance(i, bool) or not hasattr(i, "__index__"):
+                raise UsageError(f"{what} takes integer token ids; got {type(i).__name__} {i!r}")
+            i = operator.index(i)
+            if not -(2**63) <= i < 2**63:
+                raise UsageError(f"{what} got token id {i}, which does not fit in int64")
+    return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)  # [B, T]
+
+
+def _check_input(spec: InputSpec, value: torch.Tensor | None, batch: int, t: int, program: str) -> torch.Tensor:
+    """The tensor to hand the program for one declared input: shape and dtype checked, masks cast."""
+    shape = spec.concrete(batch, t)
+    if value is None:  # optional (the Session picked this program only if every required input is there)
+        return torch.full(shape, spec.default, dtype=spec.torch_dtype)
+    if not isinstance(value, torch.Tensor):
+        raise UsageError(f"{program} input {spec.name} must be a torch.Tensor, got {type(value).__name__}")
+    if tuple(value.shape) != shape:
+        raise UsageError(
+            f"{program} input {spec.name} has shape {list(value.shape)}; this artifact expects {list(shape)} "
+            f"({spec.describe()}, B = batch {batch}, T = {t} prompt tokens). {spec.doc}".rstrip()
+        )
+    if spec.binary:
+        if value.dtype is not torch.bool and not bool(((value == 0) | (value == 1)).all()):
+            raise UsageError(f"{program} input {spec.name} must hold 0/1 values (1 = attend); found others")
+        return value.to(spec.torch_dtype).contiguous()
+    if value.dtype != spec.torch_dtype:
+        raise UsageError(
+            f"{program} input {spec.name} is {str(value.dtype).removeprefix('torch.')}; this artifact was exported "
+            f"for {spec.dtype}. Convert it with .to(torch.{spec.dtype})"
+        )
+    if not bool(torch.isfinite(value).all()):
+        raise UsageError(f"{program} input {spec.name} holds NaN or infinite values")
+    return value.contiguous()

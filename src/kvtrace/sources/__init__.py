@@ -1,0 +1,4 @@
+"""Model sources: names, HF directories and GGUF files resolved, checked, converted and loaded.
+
+May import: ``spec``, ``cache``, ``models``.
+"""

@@ -1,0 +1,498 @@
+"""kvtrace bench: side-by-side speed of HF eager, HF + torch.compile, kvtrace jit/exported/aoti.
+
+Everything runs in one process on the same prompt, so ratios are fair. Decode is memory-bound at
+batch 1, so each backend is also put against the machine's own bound: measured read bandwidth
+divided by the bytes a decode step must read (all weights + the live cache).
+
+Every backend computes what a generation needs and no more: HF backends are called with
+``logits_to_keep=1`` (as HF ``generate`` does) and kvtrace artifacts are exported with
+``prefill_logits="last"``, so prefill times compare like with like.
+
+Artifact backends (exported, aoti, aoti-packed) are built in this process and *measured in a fresh
+one* (``fresh_process=True``, the default): that is what a user gets from ``kvtrace run`` /
+``generate``, which load an artifact in a new process. Measured in the process that had just compiled
+it, a packed fp32 program decoded at 36 tokens/s against 45-46 in a fresh process (round 1's
+bench notes). The worker process loads the artifact, warms up, runs the same greedy generations and
+reports its own peak RSS. HF and jit backends run in this process (they need the model object).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtrace._errors import UsageError
+
+__all__ = ["BenchResult", "measure_bandwidth", "run_bench"]
+
+BACKENDS = ("hf-eager", "hf-compile", "jit", "exported", "aoti", "aoti-packed")
+ARTIFACT_BACKENDS = ("exported", "aoti", "aoti-packed")  # measured in a fresh process by default
+
+
+@dataclass
+class BenchResult:
+    backend: str
+    dtype: str
+    prompt_len: int
+    new_tokens: int
+    load_s: float = 0.0
+    compile_s: float = 0.0
+    prefill_ms: float = 0.0  # median
+    prefill_ms_range: tuple[float, float] = (0.0, 0.0)
+    decode_tok_s: float = 0.0  # median
+    decode_tok_s_range: tuple[float, float] = (0.0, 0.0)
+    peak_rss_mib: float = 0.0
+    recompiles: int = 0
+    artifact_mib: float | None = None
+    tokens_match_eager: bool | None = None
+    first_mismatch: int | None = None
+    bound_fraction: float | None = None  # decode tok/s x bytes/token / bandwidth
+    vs_hf_eager: float | None = None
+    position_sweep: list[tuple[int, float]] = field(default_factory=list)  # (context position, decode tok/s)
+    measured_in: str = "this process"  # or "fresh process" (artifact backends, see the module docstring)
+    tokens: list[int] = field(default_factory=list, repr=False)
+    error: str = ""
+
+
+def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
+    """Sustained read bandwidth in GB/s: best of ``reps`` full reductions over a ``mib`` MiB tensor."""
+    x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    x.sum()  # fault pages in
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _reset_peak_rss() -> None:
+    with contextlib.suppress(OSError):  # Linux: "5" resets the peak RSS (VmHWM) of this process
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+class _Stepper:
+    """One backend as prefill/decode callables plus its own reset."""
+
+    def __init__(self, prefill: Callable[[torch.Tensor], torch.Tensor],
+                 decode: Callable[[torch.Tensor], torch.Tensor], reset: Callable[[], None],
+                 recompiles: Callable[[], int] = lambda: 0, artifact: Path | None = None,
+                 workdir: Any = None):
+        self.prefill, self.decode, self.reset = prefill, decode, reset
+        self.recompiles = recompiles
+        self.artifact = artifact
+        self.workdir = workdir  # a TemporaryDirectory holding a freshly exported artifact, or None
+
+    def close(self) -> None:
+        """Delete a freshly exported artifact (hundreds of MiB) once its numbers are taken."""
+        if self.workdir is not None:
+            self.workdir.cleanup()
+            self.workdir = None
+
+
+def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: int | None) -> _Stepper:
+    from transformers import DynamicCache, StaticCache
+
+    from kvtrace.cache.hf import cache_kwarg_name
+
+    st: dict[str, Any] = {}
+    cache_kw = cache_kwarg_name(model)  # transformers 5 spells it cache=; past_key_values= is deprecated
+
+    def reset() -> None:
+        st["cache"] = StaticCache(config=model.config, max_cache_len=static_len) if static_len else DynamicCache()
+        st["pos"] = 0
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        t = ids.shape[1]
+        pos = torch.arange(st["pos"], st["pos"] + t).unsqueeze(0)
+        # logits_to_keep=1: the last position's logits only, as HF generate computes them
+        out = call(input_ids=ids, position_ids=pos, **{cache_kw: st["cache"]}, use_cache=True, return_dict=True,
+                   logits_to_keep=1)
+        st["pos"] += t
+        return out.logits
+
+    reset()
+    return _Stepper(step, step, reset)
+
+
+def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model`` in ``dtype`` without touching the caller's model (``Module.to`` converts in place)."""
+    if all(p.dtype == dtype for p in model.parameters() if p.is_floating_point()):
+        return model
+    return copy.deepcopy(model).to(dtype)
+
+
+def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str,
+          load_session: bool = True) -> _Stepper:
+    """The backend ready to run; for artifact backends with ``load_session=False``, only the built file."""
+    if backend == "hf-eager":
+        return _hf_stepper(model, model, None)
+    if backend == "hf-compile":
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        compiled = torch.compile(model)
+        s = _hf_stepper(model, compiled, max_seq_len)
+        s.recompiles = lambda: max(torch._dynamo.utils.counters["stats"]["unique_graphs"] - 1, 0)
+        return s
+    if backend == "jit":
+        from kvtrace.runtime.jit import jit
+
+        jm = jit(model)
+        s = _hf_stepper(model, jm, None)
+        s.recompiles = lambda: max(jm.stats.captures - 2, 0)
+        return s
+    from kvtrace.artifact.archive import load
+    from kvtrace.artifact.export import export
+
+    workdir = None
+    if source is None:
+        import tempfile
+
+        workdir = tempfile.TemporaryDirectory(prefix="kvtrace-bench-")
+        path = Path(workdir.name) / f"{backend}.kvt"
+        export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last")
+    else:
+        from kvtrace.artifact.store import cached_artifact
+
+        # load=True: a cached entry that fails its integrity check is rebuilt, as for generate
+        path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True).path
+    if not load_session:
+        def unloaded(*_: Any) -> Any:
+            raise RuntimeError("this artifact is measured in another process")
+
+        return _Stepper(unloaded, unloaded, unloaded, artifact=path, workdir=workdir)
+    sess = load(path).session()
+    return _Stepper(sess.prefill, sess.decode, sess.reset, artifact=path, workdir=workdir)
+
+
+def _generate(s: _Stepper, ids: torch.Tensor, n: int) -> tuple[float, float, list[int]]:
+    """Greedy: (prefill seconds, decode tokens/s, new tokens)."""
+    s.reset()
+    t0 = time.perf_counter()
+    logits = s.prefill(ids)
+    t1 = time.perf_counter()
+    tok = logits[:, -1:].argmax(-1)
+    toks = [int(tok)]
+    for _ in range(n - 1):
+        tok = s.decode(tok)[:, -1:].argmax(-1)
+        toks.append(int(tok))
+    t2 = time.perf_counter()
+    return t1 - t0, (n - 1) / max(t2 - t1, 1e-9), toks
+
+
+def _measure(s: _Stepper, ids: torch.Tensor, new_tokens: int, runs: int, vocab: int,
+             sweep: tuple[int, ...]) -> dict[str, Any]:
+    """Warm up, then ``runs`` greedy generations (and the position sweep): the numbers of one backend."""
+    t0 = time.perf_counter()
+    _generate(s, ids, 2)  # warm-up: first call captures/compiles/loads pages
+    warm_s = time.perf_counter() - t0
+    runs_out = [_generate(s, ids, new_tokens) for _ in range(runs)]
+    out = {"warm_s": warm_s, "prefill_s": [x[0] for x in runs_out], "decode_tok_s": [x[1] for x in runs_out],
+           "tokens": runs_out[-1][2], "peak_rss_mib": round(_rss_mib(), 1)}
+    out["position_sweep"] = _position_sweep(s, vocab, sweep) if sweep else []
+    return out
+
+
+def _worker_main() -> None:
+    """Entry point of the measuring process: ``python -c '...; _worker_main()' JOB.json OUT.json``."""
+    job = json.loads(Path(sys.argv[1]).read_text())
+    from kvtrace.artifact.archive import load
+
+    torch.set_num_threads(job["threads"])
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        sess = load(job["artifact"]).session()
+        s = _Stepper(sess.prefill, sess.decode, sess.reset)
+        load_s = time.perf_counter() - t0
+        res = _measure(s, torch.tensor(job["ids"]), job["new_tokens"], job["runs"], job["vocab"],
+                       tuple(job["sweep"]))
+    res["warm_s"] += load_s  # a cold start: load + the first generation
+    Path(sys.argv[2]).write_text(json.dumps(res))
+
+
+def _measure_fresh(artifact: Path, ids: torch.Tensor, new_tokens: int, runs: int, vocab: int,
+                   sweep: tuple[int, ...], threads: int) -> dict[str, Any]:
+    """``_measure`` of an artifact's Session in a new Python process (nothing compiled in it before)."""
+    with tempfile.TemporaryDirectory(prefix="kvtrace-bench-job-") as d:
+        job, out = Path(d) / "job.json", Path(d) / "out.json"
+        job.write_text(json.dumps({"artifact": str(artifact), "ids": ids.tolist(), "new_tokens": new_tokens,
+                                   "runs": runs, "vocab": vocab, "sweep": list(sweep), "threads": threads}))
+        proc = subprocess.run(
+            [sys.executable, "-c", "from kvtrace.tools.bench import _worker_main; _worker_main()", str(job), str(out)],
+            capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        )
+        if proc.returncode != 0 or not out.is_file():
+            tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"measuring process exited with {proc.returncode}: {tail}")
+        return json.loads(out.read_text())
+
+
+def _random_ids(vocab: int, n: int, seed: int) -> torch.Tensor:
+    """[1, n] token ids away from the special ids at the ends of the vocabulary (when it is big enough)."""
+    lo = 10 if vocab > 40 else 0
+    return torch.randint(lo, vocab - lo, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _position_sweep(s: _Stepper, vocab: int, positions: tuple[int, ...], n: int = 16) -> list[tuple[int, float]]:
+    """Decode tokens/s over ``n`` steps starting at each context position (prefill brings it there)."""
+    out = []
+    for pos in positions:
+        ids = _random_ids(vocab, pos, seed=pos)
+        s.reset()
+        tok = s.prefill(ids)[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok = s.decode(tok)[:, -1:].argmax(-1)
+        out.append((pos, round(n / (time.perf_counter() - t0), 2)))
+    return out
+
+
+def sweep_positions(max_seq_len: int, n: int = 16) -> tuple[int, ...]:
+    """32, 64, 128, ... up to the last position that leaves room for ``n`` decode steps."""
+    last = max_seq_len - n
+    pos = [p for p in (32, 64, 128, 256, 512, 1024, 2048, 4096) if p < last]
+    return (*pos, last) if last >= 32 else tuple(pos)
+
+
+def _bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
+    from kvtrace.cache.hf import kv_geometry
+
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    n_layers, n_kv, head_dim = kv_geometry(model.config)
+    elt = next(model.parameters()).element_size()
+    return total + 2 * n_layers * n_kv * head_dim * ctx * elt  # weights + live K/V
+
+
+@contextlib.contextmanager
+def _threads(n: int | None) -> Iterator[None]:
+    old = torch.get_num_threads()
+    if n:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
+              backends: tuple[str, ...] = ("hf-eager", "exported", "aoti"), prompt_lens: tuple[int, ...] = (37,),
+              new_tokens: int = 128, dtypes: tuple[str, ...] = ("float32",), runs: int = 3,
+              max_seq_len: int = 1024, threads: int | None = None, sweep: bool = False,
+              fresh_process: bool = True,
+              progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
+    """Run every (dtype, prompt length, backend) and return a JSON-able dict with a ``results`` list.
+
+    ``fresh_process``: measure artifact backends in a new process (see the module docstring).
+    """
+    from kvtrace.artifact.export import DTYPES
+
+    bad = sorted(set(backends) - set(BACKENDS))
+    if bad:
+        raise UsageError(f"unknown backends {bad}; choose from {list(BACKENDS)}")
+    if "hf-eager" not in backends:
+        backends = ("hf-eager", *backends)  # the yardstick for ratios and token identity
+    results: list[BenchResult] = []
+    with _threads(threads), torch.inference_mode():
+        bw = measure_bandwidth()
+        for dtype in dtypes:
+            if dtype not in DTYPES:
+                raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+            t0 = time.perf_counter()
+            if model is None:
+                from kvtrace.sources.resolve import load_model
+
+                m = load_model(model_source, dtype=DTYPES[dtype]).model
+            else:
+                m = _in_dtype(model, DTYPES[dtype])
+            load_s = time.perf_counter() - t0
+            for plen in prompt_lens:
+                if plen + new_tokens > max_seq_len:
+                    raise UsageError(f"prompt {plen} + new tokens {new_tokens} exceed --max-seq-len {max_seq_len}")
+                ids = _random_ids(m.config.vocab_size, plen, seed=0)
+                ref_tokens: list[int] | None = None
+                for b in backends:
+                    r = BenchResult(b, dtype, plen, new_tokens, load_s=round(load_s, 2))
+                    gc.collect()
+                    _reset_peak_rss()
+                    s = None
+                    fresh = fresh_process and b in ARTIFACT_BACKENDS
+                    positions = sweep_positions(max_seq_len) if sweep else ()
+                    try:
+                        with progress(f"{b} {dtype} prompt {plen}: build"):
+                            t0 = time.perf_counter()
+                            s = _make(b, m, model_source if model is None else None, max_seq_len, dtype,
+                                      load_session=not fresh)
+                            build_s = time.perf_counter() - t0
+                        where = "a fresh process" if fresh else "this process"
+                        with progress(f"{b} {dtype} prompt {plen}: {runs} runs x {new_tokens} tokens in {where}"):
+                            if fresh:
+                                got = _measure_fresh(s.artifact, ids, new_tokens, runs, m.config.vocab_size,
+                                                     positions, torch.get_num_threads())
+                                r.measured_in = "fresh process"
+                            else:
+                                got = _measure(s, ids, new_tokens, runs, m.config.vocab_size, positions)
+                        r.compile_s = round(build_s + got["warm_s"], 2)
+                    except Exception as e:  # one backend failing must not hide the others' numbers
+                        r.error = f"{type(e).__name__}: {e}"[:300]
+                        results.append(r)
+                        if s is not None:
+                            s.close()
+                        continue
+                    pre = [x * 1e3 for x in got["prefill_s"]]
+                    dec = got["decode_tok_s"]
+                    r.prefill_ms, r.prefill_ms_range = statistics.median(pre), (min(pre), max(pre))
+                    r.decode_tok_s, r.decode_tok_s_range = statistics.median(dec), (min(dec), max(dec))
+                    r.tokens = got["tokens"]
+                    r.peak_rss_mib = got["peak_rss_mib"] if fresh else round(_rss_mib(), 1)
+                    r.position_sweep = [tuple(x) for x in got["position_sweep"]]
+                    r.recompiles = s.recompiles()
+                    if s.artifact is not None:
+                        r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
+                    s.close()
+                    if b == "hf-eager":
+                        ref_tokens = r.tokens
+                    if ref_tokens is not None:
+                        mism = [i for i, (a, c) in enumerate(zip(r.tokens, ref_tokens, strict=False)) if a != c]
+                        r.tokens_match_eager = not mism
+                        r.first_mismatch = mism[0] if mism else None
+                    per_tok = _bytes_per_token(m, plen + new_tokens // 2)
+                    r.bound_fraction = round(r.decode_tok_s * per_tok / (bw * 1e9), 3)
+                    results.append(r)
+                eager = next((x for x in results if x.backend == "hf-eager" and x.dtype == dtype
+                              and x.prompt_len == plen and not x.error), None)
+                for x in results:
+                    if eager and x.dtype == dtype and x.prompt_len == plen and not x.error:
+                        x.vs_hf_eager = round(x.decode_tok_s / eager.decode_tok_s, 2)
+    return {
+        "bandwidth_gb_s": round(bw, 2),
+        "threads": threads or torch.get_num_threads(),
+        "torch": torch.__version__,
+        "results": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in results],
+    }
+
+
+COLUMNS = ("backend", "dtype", "prompt", "compile s", "prefill ms", "decode tok/s", "x hf-eager", "of bound",
+           "peak RSS MiB", "recompiles", "tokens = eager", "measured in")
+
+
+def _rows(data: dict[str, Any]) -> list[tuple[list[str], str]]:
+    """(cells, error) per result, cells in ``COLUMNS`` order (blank but the first three for an error)."""
+    out = []
+    for r in data["results"]:
+        head = [r["backend"], r["dtype"], str(r["prompt_len"])]
+        if r["error"]:
+            out.append((head + [""] * (len(COLUMNS) - 3), r["error"]))
+            continue
+        lo, hi = r["decode_tok_s_range"]
+        out.append(([
+            *head, f"{r['compile_s']:.1f}", f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.1f} ({lo:.1f}-{hi:.1f})",
+            f"{r['vs_hf_eager']:.2f}" if r["vs_hf_eager"] else "",
+            f"{r['bound_fraction']:.2f}" if r["bound_fraction"] is not None else "", f"{r['peak_rss_mib']:.0f}",
+            str(r["recompiles"]), "yes" if r["tokens_match_eager"] else f"no (at {r['first_mismatch']})",
+            r.get("measured_in", "this process"),
+        ], ""))
+    return out
+
+
+def _title(data: dict[str, Any]) -> str:
+    return f"kvtrace bench (read bandwidth {data['bandwidth_gb_s']} GB/s, {data['threads']} threads)"
+
+
+def render(data: dict[str, Any]) -> Any:
+    """A rich Table (for a terminal)."""
+    from rich.table import Table
+
+    t = Table(title=_title(data))
+    for col in COLUMNS:
+        t.add_column(col)
+    for cells, error in _rows(data):
+        if error:
+            cells = [*cells[:3], "", "", f"[red]{error[:60]}[/red]", *cells[6:]]
+        t.add_row(*cells)
+    return t
+
+
+def render_markdown(data: dict[str, Any]) -> str:
+    """The same table as Markdown text, full width: for logs and pipes, where a terminal table truncates."""
+    lines = [_title(data), "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for cells, error in _rows(data):
+        if error:
+            cells = [*cells[:3], f"error: {error}".replace("|", "/"), *cells[4:]]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: str | Path) -> None:
+    """PNG: decode tokens/s against context position, one line per backend and dtype."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise UsageError("--plot needs matplotlib: pip install matplotlib") from e
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in data["results"]:
+        if r["position_sweep"]:
+            xs, ys = zip(*r["position_sweep"], strict=True)
+            ax.plot(xs, ys, marker="o", label=f"{r['backend']} {r['dtype']}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context position")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"kvtrace bench ({data['threads']} threads, read bandwidth {data['bandwidth_gb_s']} GB/s)")
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_cli_bench(args: Any, ui: Any) -> int:
+    data = run_bench(
+        model_source=args.model,
+        backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
+        prompt_lens=tuple(int(x) for x in str(args.prompt_len).split(",")),
+        new_tokens=args.new_tokens,
+        dtypes=tuple(d.strip() for d in args.dtype.split(",")),
+        runs=args.runs,
+        max_seq_len=args.max_seq_len,
+        threads=args.threads,
+        sweep=args.plot is not None,
+        progress=ui.step,
+    )
+    if args.plot:
+        plot(data, args.plot)
+    if args.json:
+        Path(args.json).write_text(json.dumps(data, indent=2))
+    if ui.out.is_terminal:
+        ui.out.print(render(data))
+    else:  # piped or logged: rich would squeeze every header into 80 columns ("bac…")
+        ui.out.print(render_markdown(data), markup=False, highlight=False, soft_wrap=True)
+    return 0 if all(not r["error"] for r in data["results"]) else 1

@@ -1,0 +1,539 @@
+"""verify: compare candidates against the eager model, step by step, logits AND cache contents.
+
+Every runner speaks one small protocol (``Runner``): reset, prefill (token ids plus the named
+inputs of a prompt, e.g. a vision decoder's ``cross_attention_states``), decode, and ``cache()`` —
+the valid part of every layer's K and V: ``[B, H_kv, P, D]`` for self-attention layers,
+``[B, H_kv, N, D]`` for cross-attention layers holding N image tokens, None for a layer that holds
+nothing (a cross-attention layer in a text-only run, as eager leaves it). The harness feeds the reference's
+greedy token to every runner (teacher forcing), so one early error cannot hide later ones, and
+records per step: logits max abs / max rel error, top-1 agreement, and per layer the max abs
+error of K and V. Pass/fail uses the per-dtype tolerances of ``_tolerances``; a NaN anywhere fails.
+For bf16/fp16, an optional fp32 reference (the same weights upcast, fed the same tokens) gives the
+second route of ``_tolerances``: a candidate further from eager than the tolerance still passes a
+tensor if it is no further from fp32 than eager itself is (+ tolerance); rows record both errors.
+
+A failing row says what failed, cache first (the earliest layer whose K or V is off, with the first
+bad position), then the logits, e.g. ``"layer 0 K max abs 1.3 > 0.0001 (first bad position 0,
+worst 4); logits max abs 2.1 > 0.0005"``. A candidate that raises fails that step (the error is
+the failure text) and is skipped for the rest of that prompt; the next prompt resets it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kvtrace.spec.tolerances import Tolerance, judge, max_abs_diff, tolerance_for
+
+__all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "VerifyReport", "verify"]
+
+LayerKV = tuple[torch.Tensor, torch.Tensor] | None  # (K, V) of one layer; None: the layer holds nothing
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """Token ids ``[B, T]`` (or ``[T]``) and the named prefill inputs that go with them (e.g. an image)."""
+
+    tokens: Any
+    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Runner(Protocol):
+    name: str
+
+    def reset(self) -> None: ...
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor: ...  # [B, T] -> [B, T, V]
+    def decode(self, token: torch.Tensor) -> torch.Tensor: ...  # [B, 1] -> [B, 1, V]
+    def cache(self) -> list[LayerKV]: ...  # per layer ([B,H,P,D], [B,H,P,D]) or None
+
+
+class EagerRunner:
+    """The reference: the HF model called eagerly with a DynamicCache.
+
+    For a vision decoder (MllamaForCausalLM) a prompt's ``cross_attention_states`` / 0-1
+    ``cross_attention_mask [B, T, N]`` become HF's kwargs, and every later token passes the mask row of
+    the prompt's last token again, as HF ``generate`` does.
+    """
+
+    def __init__(self, model: torch.nn.Module, name: str = "eager", call: Any = None):
+        self.name = name
+        self.model = model
+        self._call = call or model
+        self._n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self._cache = DynamicCache()
+        self._mask: torch.Tensor | None = None
+        self._cross_row: torch.Tensor | None = None  # [B, 1, N] 0/1: what tokens after the image see
+
+    def _step(self, tokens: torch.Tensor, cross: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+        from kvtrace.models.mllama import hf_cross_kwargs
+
+        new = torch.ones_like(tokens)
+        self._mask = new if self._mask is None else torch.cat([self._mask, new], dim=1)
+        kwargs: dict[str, Any] = {}
+        if cross:
+            states = cross["cross_attention_states"]
+            m = cross.get("cross_attention_mask")
+            if m is None:
+                m = torch.ones(tokens.shape[0], tokens.shape[1], states.shape[1])
+            kwargs = {"cross_attention_states": states, **hf_cross_kwargs(m, states.dtype)}
+            self._cross_row = m[:, -1:]
+        elif self._cross_row is not None:
+            dtype = next(self.model.parameters()).dtype
+            kwargs = hf_cross_kwargs(self._cross_row.expand(-1, tokens.shape[1], -1), dtype)
+        with torch.inference_mode():
+            out = self._call(input_ids=tokens, attention_mask=self._mask, past_key_values=self._cache,
+                             use_cache=True, return_dict=True, **kwargs)
+        return out.logits
+
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        return self._step(tokens, inputs)
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        return self._step(token)
+
+    def cache(self) -> list[LayerKV]:
+        layers = self._cache.layers
+        return [(layers[i].keys, layers[i].values) if i < len(layers) and layers[i].is_initialized else None
+                for i in range(self._n_layers)]
+
+
+class JitRunner(EagerRunner):
+    """The same HF-style calls through ``kvtrace.jit``."""
+
+    def __init__(self, model: torch.nn.Module, backend: str = "inductor", name: str | None = None):
+        from kvtrace.runtime.jit import jit
+
+        self.jm = jit(model, backend=backend)
+        super().__init__(model, name or ("jit" if backend == "inductor" else f"jit-{backend}"), call=self.jm)
+
+
+class SessionRunner:
+    """An artifact Session; its cache is read from the declared state buffers."""
+
+    def __init__(self, session: Any, name: str):
+        self.name = name
+        self.session = session
+        self.prefill_logits = getattr(session, "prefill_logits", "all")  # "last": prefill returns the last row only
+
+    def reset(self) -> None:
+        self.session.reset()
+
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        return self.session.prefill(tokens, **inputs)
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        return self.session.decode(token)
+
+    def cache(self) -> list[LayerKV]:
+        """Self-attention layers: the first P positions; cross-attention layers: all N slots once a
+        program that fills them (e.g. prefill_image) ran, else None."""
+        from kvtrace.spec.cache import LayerKind
+
+        p = self.session.position
+        st = self.session.state
+        out: list[LayerKV] = []
+        for i, layer in enumerate(self.session.spec.layers):
+            k, v = st[2 * i], st[2 * i + 1]  # [B, H_kv, S or N, D]
+            if layer.kind is LayerKind.CROSS:
+                out.append((k, v) if self.session.filled else None)
+            else:
+                out.append((k[:, :, :p], v[:, :, :p]))
+        return out
+
+
+class Unavailable:
+    """A candidate that could not be built (its export or load raised): ``verify`` runs the others and
+    reports this one as an error on every step, with ``reason``."""
+
+    def __init__(self, name: str, reason: str):
+        self.name, self.reason = name, reason
+
+    def reset(self) -> None:
+        raise RuntimeError(self.reason)
+
+    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(self.reason)
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(self.reason)
+
+    def cache(self) -> list[LayerKV]:
+        return []
+
+
+@dataclass(frozen=True)
+class StepRow:
+    candidate: str
+    prompt: int
+    step: str  # "prefill" or the decode index "1", "2", ...
+    position: int
+    logits_max_abs: float
+    logits_max_rel: float
+    top1_agree: float  # fraction of rows/positions whose argmax equals the reference's
+    token_agree: bool  # candidate's greedy next token == reference's
+    k_max_abs: tuple[float, ...]  # per layer
+    v_max_abs: tuple[float, ...]
+    cache_len_ok: bool
+    passed: bool
+    failure: str = ""  # e.g. "layer 3 K max abs ... (first bad position 7, worst 9); logits max abs ...",
+    # "layer 0 cache shape [1, 2, 14, 16] != eager [1, 2, 3, 16]", "raised UsageError: ..."
+    logits_vs_fp32: float | None = None  # with an fp32 reference: max|candidate - fp32| of the logits
+    eager_logits_vs_fp32: float | None = None  # ... and eager's own max|eager - fp32|
+
+    @property
+    def worst_layer(self) -> int:
+        errs = [max(k, v) for k, v in zip(self.k_max_abs, self.v_max_abs, strict=True)]
+        return max(range(len(errs)), key=errs.__getitem__) if errs else -1
+
+
+@dataclass
+class VerifyReport:
+    tolerance: dict[str, str]
+    dtype: str
+    rows: list[StepRow] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(r.passed for r in self.rows)
+
+    def candidates(self) -> list[str]:
+        return list(dict.fromkeys(r.candidate for r in self.rows))
+
+    def first_failure(self, candidate: str) -> StepRow | None:
+        return next((r for r in self.rows if r.candidate == candidate and not r.passed), None)
+
+    def summary(self) -> list[dict[str, Any]]:
+        out = []
+        for c in self.candidates():
+            rows = [r for r in self.rows if r.candidate == c]
+            worst = max(rows, key=lambda r: r.logits_max_abs)
+            kv = max(rows, key=lambda r: max((*r.k_max_abs, *r.v_max_abs), default=0.0))
+            fail = self.first_failure(c)
+            out.append({
+                "candidate": c,
+                "steps": len(rows),
+                "logits_max_abs": worst.logits_max_abs,
+                "logits_worst_step": f"p{worst.prompt}/{worst.step}",
+                "logits_max_rel": max(r.logits_max_rel for r in rows),
+                "top1_agree": min(r.top1_agree for r in rows),
+                "tokens_agree": sum(r.token_agree for r in rows),
+                "kv_max_abs": max((*kv.k_max_abs, *kv.v_max_abs), default=0.0),
+                "kv_worst": f"p{kv.prompt}/{kv.step} layer {kv.worst_layer}",
+                "passed": fail is None,
+                "result": "PASS" if fail is None else "FAIL",
+                "tolerance": self.tolerance["rule"],
+                "first_failure": "" if fail is None else f"prompt {fail.prompt} step {fail.step}: {fail.failure}",
+                "logits_vs_fp32": _max_or_none(r.logits_vs_fp32 for r in rows),
+                "eager_logits_vs_fp32": _max_or_none(r.eager_logits_vs_fp32 for r in rows),
+            })
+        return out
+
+    def to_json(self) -> str:
+        """Strict JSON (an infinite or NaN error is written as null; the row's ``failure`` says why)."""
+        doc = {"passed": self.passed, "result": "PASS" if self.passed else "FAIL", "dtype": self.dtype,
+               "tolerance": self.tolerance, "summary": self.summary(), "rows": [asdict(r) for r in self.rows]}
+        return json.dumps(_finite(doc), indent=2, allow_nan=False)
+
+
+def _max_or_none(xs: Any) -> float | None:
+    vals = [x for x in xs if x is not None]
+    if not vals:
+        return None
+    return math.nan if any(math.isnan(v) for v in vals) else max(vals)
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand: Runner,
+             ref_logits: torch.Tensor, cand_logits: torch.Tensor, tol: Tolerance,
+             fp32: Runner | None = None, fp32_logits: torch.Tensor | None = None) -> StepRow:
+    ref_f, cand_f = ref_logits.float(), cand_logits.float()
+    vs_fp32 = eager_vs_fp32 = None
+    if cand_f.shape != ref_f.shape:
+        l_abs = l_rel = math.inf
+        top1, tok_ok = 0.0, False
+        logits_failure = f"logits shape {list(cand_f.shape)} != eager {list(ref_f.shape)}"
+    else:
+        j = judge(cand_f, ref_f, tol, fp32_logits)
+        l_abs = j.diff
+        l_rel = l_abs / max(ref_f.abs().max().item(), 1e-12)
+        top1 = (cand_f.argmax(-1) == ref_f.argmax(-1)).float().mean().item()
+        tok_ok = bool((cand_f[:, -1].argmax(-1) == ref_f[:, -1].argmax(-1)).all())
+        logits_failure = "" if j.passed else j.describe("logits")
+        if fp32_logits is not None:
+            vs_fp32, eager_vs_fp32 = max_abs_diff(cand_f, fp32_logits), max_abs_diff(ref_f, fp32_logits)
+    ks, vs = [], []
+    len_ok = True
+    cache_failures: list[str] = []
+    ref_cache, cand_cache = ref.cache(), cand.cache()
+    fp32_cache: list[LayerKV] = fp32.cache() if fp32 is not None else [None] * len(ref_cache)
+    if len(cand_cache) != len(ref_cache):
+        len_ok = False
+        cache_failures.append(f"cache has {len(cand_cache)} layers, eager {len(ref_cache)}")
+    for i, (ref_kv, cand_kv, f_kv) in enumerate(zip(ref_cache, cand_cache, fp32_cache, strict=False)):
+        if ref_kv is None or cand_kv is None:
+            if ref_kv is cand_kv:  # both hold nothing (a skipped cross-attention layer)
+                ks.append(0.0)
+                vs.append(0.0)
+                continue
+            len_ok = False
+            held = f"holds K/V {list((cand_kv or ref_kv)[0].shape)}"
+            cache_failures.append(f"layer {i}: eager holds nothing, candidate {held}" if ref_kv is None
+                                  else f"layer {i}: eager {held}, candidate holds nothing")
+            ks.append(math.inf)
+            vs.append(math.inf)
+            continue
+        (rk, rv), (ck, cv) = ref_kv, cand_kv
+        if ck.shape != rk.shape or cv.shape != rv.shape:
+            len_ok = False
+            cache_failures.append(f"layer {i} cache shape {list(ck.shape)} != eager {list(rk.shape)}")
+            ks.append(math.inf)
+            vs.append(math.inf)
+            continue
+        fk, fv = f_kv if f_kv is not None and f_kv[0].shape == rk.shape else (None, None)
+        for which, r, c, f, acc in (("K", rk, ck, fk, ks), ("V", rv, cv, fv, vs)):
+            j = judge(c, r, tol, f)
+            acc.append(j.diff)
+            if not j.passed:
+                # positions over the limit of the route that decided: fp32's when it was tried, else eager's
+                base, lim = (f, j.fp32_limit) if j.fp32_limit is not None else (r, j.limit)
+                per_pos = (c.float() - base.float()).abs().amax(dim=(0, 1, 3))  # [P]
+                bad = (~(per_pos <= lim)).nonzero().flatten()
+                first = int(bad[0]) if bad.numel() else -1
+                worst = int(torch.nan_to_num(per_pos, nan=math.inf).argmax())
+                cache_failures.append(f"{j.describe(f'layer {i} {which}')} (first bad position {first}, worst {worst})")
+    for _ in range(len(ks), len(ref_cache)):  # layers the candidate lacks
+        ks.append(math.inf)
+        vs.append(math.inf)
+    parts = cache_failures[:1]
+    if len(cache_failures) > 1:
+        parts[0] += f" (+{len(cache_failures) - 1} more layer K/V)"
+    failure = "; ".join([*parts, *([logits_failure] if logits_failure else [])])
+    return StepRow(name, prompt, step, position, l_abs, l_rel, top1, tok_ok, tuple(ks), tuple(vs), len_ok,
+                   not failure, failure, vs_fp32, eager_vs_fp32)
+
+
+def _error_row(name: str, prompt: int, step: str, position: int, n_layers: int, failure: str) -> StepRow:
+    inf = (math.inf,) * n_layers
+    return StepRow(name, prompt, step, position, math.inf, math.inf, 0.0, False, inf, inf, False, False, failure)
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"raised {type(e).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+def verify(
+    reference: Runner,
+    candidates: Sequence[Runner],
+    prompts: Sequence[Sequence[int] | torch.Tensor | Prompt],
+    *,
+    steps: int = 8,
+    dtype: torch.dtype = torch.float32,
+    fp32: Runner | None = None,
+) -> VerifyReport:
+    """Run every prompt (reset before each) through reference and candidates; compare every step.
+
+    A ``Prompt`` carries named prefill inputs (e.g. image features) next to its token ids. ``fp32``
+    (for a bf16/fp16 ``dtype`` only): the reference's model in float32, fed the same tokens, which
+    enables the reduced-precision route of ``_tolerances``."""
+    from kvtrace._errors import UsageError
+
+    tol = tolerance_for(dtype)
+    if fp32 is not None and dtype == torch.float32:
+        raise UsageError("an fp32 reference only applies to reduced-precision runs (bfloat16, float16); "
+                         "this run is float32, whose eager reference is already the fp32 one")
+    rule = str(tol) + (", or no further from fp32 than eager is (+ the same tolerance)" if fp32 is not None else "")
+    report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": rule,
+                                     "fp32_reference": str(fp32 is not None).lower()},
+                          dtype=str(dtype).removeprefix("torch."))
+    with torch.inference_mode():
+        for p_idx, prompt in enumerate(prompts):
+            inputs = dict(prompt.inputs) if isinstance(prompt, Prompt) else {}
+            ids = torch.as_tensor(prompt.tokens if isinstance(prompt, Prompt) else prompt, dtype=torch.int64)
+            ids = ids.reshape(1, -1) if ids.dim() == 1 else ids  # [B, T]
+            reference.reset()  # before every prompt, the first one included
+            if fp32 is not None:
+                fp32.reset()
+            broken: dict[int, str] = {}  # candidate index -> why it is skipped for the rest of this prompt
+            for c_idx, c in enumerate(candidates):
+                if isinstance(c, Unavailable):
+                    broken[c_idx] = f"not run: {c.reason}"
+                    continue
+                try:
+                    c.reset()
+                except Exception as e:
+                    broken[c_idx] = f"reset() {_describe(e)}"
+            ref_logits = reference.prefill(ids, **inputs)
+            f_inputs = {k: v.float() if v.is_floating_point() else v for k, v in inputs.items()}
+            f_logits = fp32.prefill(ids, **f_inputs) if fp32 is not None else None
+            n_layers = len(reference.cache())
+            pos = ids.shape[1]
+            for s in range(steps + 1):
+                step = "prefill" if s == 0 else str(s)
+                if s:
+                    tok = ref_logits[:, -1:].argmax(-1)  # [B, 1] the reference's greedy token, fed to all
+                    ref_logits = reference.decode(tok)
+                    f_logits = fp32.decode(tok) if fp32 is not None else None
+                    pos += 1
+                for c_idx, c in enumerate(candidates):
+                    if c_idx in broken:
+                        report.rows.append(_error_row(c.name, p_idx, step, pos, n_layers, broken[c_idx]))
+                        if not broken[c_idx].startswith(("skipped", "not run")):
+                            broken[c_idx] = f"skipped: {broken[c_idx]} at step {step}"
+                        continue
+                    try:
+                        out = c.prefill(ids, **inputs) if s == 0 else c.decode(tok)
+                        # a runner that declares last-position prefill logits is compared on that position
+                        last = s == 0 and getattr(c, "prefill_logits", "all") == "last"
+                        row = _compare(c.name, p_idx, step, pos, reference, c,
+                                       ref_logits[:, -1:] if last else ref_logits, out, tol, fp32,
+                                       f_logits[:, -1:] if last and f_logits is not None else f_logits)
+                    except Exception as e:
+                        row = _error_row(c.name, p_idx, step, pos, n_layers, _describe(e))
+                        broken[c_idx] = f"skipped: {_describe(e)} at step {step}"
+                    report.rows.append(row)
+    return report
+
+
+def render(report: VerifyReport) -> Any:
+    """A rich renderable: one summary row per candidate, with the tolerance in the title."""
+    from rich.table import Table
+
+    summary = report.summary()
+    verdict = "[green]PASS[/green]" if report.passed else "[red]FAIL[/red]"
+    failed = [s["candidate"] for s in summary if not s["passed"]]
+    t = Table(
+        title=f"kvtrace verify ({report.dtype}; pass if max|a-b| <= {report.tolerance['rule']})",
+        caption=f"{verdict}: {len(summary) - len(failed)}/{len(summary)} candidate(s) within the {report.dtype} "
+                f"tolerance {report.tolerance['rule']}" + (f"; failed: {', '.join(failed)}" if failed else ""),
+    )
+    with_fp32 = report.tolerance.get("fp32_reference") == "true"
+    for col in ("candidate", "steps", "logits max abs", "worst step", "top-1 agree", "greedy tokens",
+                "K/V max abs", "worst K/V", *(["logits vs fp32 (cand / eager)"] if with_fp32 else []), "result"):
+        t.add_column(col, overflow="fold")
+    for s in summary:
+        fp32_col = []
+        if with_fp32:
+            c, e = s["logits_vs_fp32"], s["eager_logits_vs_fp32"]
+            fp32_col = ["-" if c is None or e is None else f"{c:.3g} / {e:.3g}"]
+        t.add_row(
+            s["candidate"], str(s["steps"]), f"{s['logits_max_abs']:.3g}", s["logits_worst_step"],
+            f"{s['top1_agree']:.3f}", f"{s['tokens_agree']}/{s['steps']}", f"{s['kv_max_abs']:.3g}", s["kv_worst"],
+            *fp32_col, "[green]PASS[/green]" if s["passed"] else f"[red]FAIL[/red] {s['first_failure']}",
+        )
+    return t
+
+
+DEFAULT_PROMPTS = ("Who's the founder of Meta?", "Write one sentence about caches.")
+
+
+def _prompts(args: Any) -> list[str]:
+    from kvtrace._errors import UsageError
+
+    if args.prompts:
+        path = Path(args.prompts)
+        if not path.is_file():
+            raise UsageError(f"--prompts file {path} does not exist")
+        lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise UsageError(f"--prompts file {path} has no non-empty lines")
+        return lines
+    if args.prompt is not None:
+        if not args.prompt.strip():
+            raise UsageError("--prompt is empty")
+        return [args.prompt, DEFAULT_PROMPTS[1]]
+    return list(DEFAULT_PROMPTS)
+
+
+def run_cli_verify(args: Any, step: Any) -> VerifyReport:
+    """What ``kvtrace verify`` runs: eager reference vs the requested candidates on real prompts."""
+    import tempfile
+
+    from kvtrace._errors import UsageError
+    from kvtrace.artifact.archive import load
+    from kvtrace.artifact.export import DTYPES, export
+    from kvtrace.sources.resolve import apply_chat_template, load_model
+
+    against = [a.strip() for a in args.against.split(",") if a.strip()]
+    unknown = sorted(set(against) - {"jit", "jit-eager", "exported", "aoti", "aoti-packed"})
+    if unknown:
+        raise UsageError(f"--against takes jit, jit-eager, exported, aoti, aoti-packed; got {unknown}")
+    if not against and not args.artifact:
+        raise UsageError("nothing to verify: --against is empty and no --artifact given; "
+                         "pass e.g. --against jit,exported")
+    for f in args.artifact:
+        if not Path(f).is_file():
+            raise UsageError(f"--artifact {f} does not exist; expected a file written by `kvtrace export`")
+    dtype = DTYPES[args.dtype]
+    with step(f"loading {args.source}"):
+        lm = load_model(args.source, dtype=dtype)
+    tok = lm.tokenizer
+    ids = []
+    for text in _prompts(args):
+        if args.chat and lm.chat_template:
+            name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
+            text = apply_chat_template(lm.chat_template, [{"role": "user", "content": text}],
+                                       bos_token=name(lm.bos_id), eos_token=name(lm.eos_ids[0] if lm.eos_ids else None))
+        ids.append(tok.encode(text, add_special_tokens=not args.chat).ids)
+    longest = max(len(i) for i in ids) + args.steps
+    max_seq_len = max(args.max_seq_len, longest)
+    prompts: list[Prompt] = [Prompt(i) for i in ids]
+    image_tokens = None
+    if getattr(args, "image_features", None):
+        from kvtrace.models.mllama import is_mllama
+        from kvtrace.spec.program import read_inputs_file
+
+        if not is_mllama(lm.model.config):
+            raise UsageError(f"--image-features needs a vision decoder (MllamaForCausalLM); {args.source} is a "
+                             f"text-only {lm.model.config.model_type!r} model")
+        states = read_inputs_file(args.image_features).get("cross_attention_states")
+        if states is None or states.dim() != 3:
+            raise UsageError(f"--image-features {args.image_features} needs a tensor named cross_attention_states "
+                             "of shape [1, N, dim]")
+        image_tokens = states.shape[1]
+        prompts = [Prompt(i, {"cross_attention_states": states.to(dtype)}) for i in ids] + prompts
+    cands: list[Runner] = []
+    with tempfile.TemporaryDirectory(prefix="kvtrace-verify-") as tmp:
+        for a in against:
+            if a in ("jit", "jit-eager"):
+                cands.append(JitRunner(lm.model, backend="inductor" if a == "jit" else "eager"))
+            else:
+                try:
+                    with step(f"exporting ({a})"):
+                        path = export(lm.model, Path(tmp) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
+                                      backend=a, image_tokens=image_tokens)
+                    cands.append(SessionRunner(load(path).session(), a))
+                except Exception as e:  # reported in the table; the other candidates still run
+                    cands.append(Unavailable(a, f"export ({a}) {_describe(e)}"))
+        for f in args.artifact:
+            try:
+                cands.append(SessionRunner(load(f).session(), Path(f).name))
+            except Exception as e:
+                cands.append(Unavailable(Path(f).name, f"loading {f} {_describe(e)}"))
+        with step(f"verifying {len(cands)} candidate(s) on {len(prompts)} prompts x (prefill + {args.steps} steps)"):
+            fp32 = None
+            if dtype != torch.float32 and getattr(args, "fp32_reference", True):
+                import copy
+
+                fp32 = EagerRunner(copy.deepcopy(lm.model).float(), name="eager-fp32")
+            return verify(EagerRunner(lm.model), cands, prompts, steps=args.steps, dtype=dtype, fp32=fp32)

@@ -1,0 +1,89 @@
+"""Generator: greedy/sampled decoding over a Session, stop ids, streaming text, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtrace._errors import CacheOverflowError, UsageError
+from kvtrace.runtime.generate import Sampling, _TextStream, generate, sample
+from kvtrace.runtime.session import Session
+from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
+
+V = 16
+
+
+def _script_program(next_of):
+    """A fake program: logits favour next_of(last token); state[0] counts calls so the cache is touched."""
+
+    def run(tokens, input_pos, *state):
+        state[0].add_(1)
+        logits = torch.full((tokens.shape[0], tokens.shape[1], V), -10.0)
+        for t in range(tokens.shape[1]):
+            logits[:, t, next_of(int(tokens[0, t]))] = 10.0
+        return logits
+
+    return run
+
+
+def _session(next_of, max_seq_len=32):
+    spec = CacheSpec(layers=(LayerSpec(LayerKind.FULL, 1, 2, max_seq_len),), batch_size=1,
+                     max_seq_len=max_seq_len, dtype="float32")
+    prog = _script_program(next_of)
+    return Session(spec, prog, prog)
+
+
+def test_greedy_follows_the_logits_and_stops_at_eos():
+    s = _session(lambda t: t + 1)  # 3 -> 4 -> 5 -> ... ; 9 is eos
+    res = generate(s, [1, 2, 3], max_new_tokens=50, eos_ids=(9,))
+    assert res.tokens == [4, 5, 6, 7, 8]
+    assert res.stats.stop_reason == "eos" and res.stats.new_tokens == 5 and res.stats.prompt_tokens == 3
+    assert s.position == 3 + 5  # prefill + one decode per emitted token before eos
+    assert res.stats.prefill_ms > 0 and res.stats.peak_rss_mib > 0
+
+
+def test_max_new_tokens_and_cache_end():
+    s = _session(lambda t: (t + 1) % V)
+    assert generate(s, [1], max_new_tokens=4).stats.stop_reason == "max_new_tokens"
+    s = _session(lambda t: (t + 1) % V, max_seq_len=6)
+    res = generate(s, [1, 2], max_new_tokens=100)
+    assert res.stats.stop_reason == "max_seq_len" and s.position == 6 and len(res.tokens) == 5
+
+
+def test_streamed_deltas_add_up_to_the_text():
+    s = _session(lambda t: t + 1)
+    pieces: list[str] = []
+    res = generate(s, [0], max_new_tokens=5, decode_text=lambda ts: "".join(chr(97 + t) for t in ts),
+                   on_text=pieces.append)
+    assert "".join(pieces) == res.text == "bcdef"
+
+
+def test_stream_holds_back_incomplete_utf8():
+    stream = _TextStream(lambda ts: {1: "a\ufffd", 2: "aé"}[len(ts)])
+    assert stream.push([1]) == ""  # half a character: wait
+    assert stream.push([1, 2]) == "aé"
+
+
+def test_sampling_is_seeded_and_filters():
+    logits = torch.tensor([[0.0, 5.0, 4.9, -3.0]])
+    draws = lambda s: [int(sample(logits, s, torch.Generator().manual_seed(i))) for i in range(50)]  # noqa: E731
+    assert set(draws(Sampling(temperature=1.0, top_k=2))) <= {1, 2}
+    assert set(draws(Sampling(temperature=1.0, top_p=0.01))) == {1}
+    assert draws(Sampling(temperature=1.0, seed=1)) == draws(Sampling(temperature=1.0, seed=1))
+    assert int(sample(logits, Sampling(), None)) == 1
+
+
+@pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"temperature": float("nan")}, {"temperature": float("inf")},
+                                    {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": float("nan")}])
+def test_bad_sampling_settings(kwargs):
+    with pytest.raises(UsageError):
+        Sampling(**kwargs)
+
+
+def test_bad_prompts():
+    s = _session(lambda t: t)
+    with pytest.raises(UsageError, match="empty"):
+        generate(s, [])
+    with pytest.raises(CacheOverflowError, match="40 tokens"):
+        generate(s, list(range(40)))
+    assert s.position == 0

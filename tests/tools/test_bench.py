@@ -1,0 +1,61 @@
+"""kvtrace bench internals: fresh exports are measured, then deleted (they are hundreds of MiB)."""
+
+from __future__ import annotations
+
+import tempfile
+
+from conftest import tiny_model
+from kvtrace.tools.bench import run_bench
+
+
+def test_fresh_artifacts_are_deleted_after_measuring(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = run_bench(model=tiny_model("llama"), backends=("hf-eager", "exported"), prompt_lens=(4,), new_tokens=4,
+                     runs=1, max_seq_len=32)
+    rows = {r["backend"]: r for r in data["results"]}
+    assert not rows["exported"]["error"] and rows["exported"]["artifact_mib"] > 0  # it was there when measured
+    assert rows["exported"]["tokens_match_eager"] is True
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("kvtrace-bench-")] == []
+
+
+def test_bench_in_another_dtype_leaves_the_callers_model_alone():
+    import torch
+
+    model = tiny_model("llama")
+    before = {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()}
+    data = run_bench(model=model, backends=("hf-eager",), prompt_lens=(4,), new_tokens=2, runs=1, max_seq_len=16,
+                     dtypes=("bfloat16",))
+    assert [r["dtype"] for r in data["results"]] == ["bfloat16"] and not data["results"][0]["error"]
+    assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} == before
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_artifact_backends_are_measured_in_a_fresh_process(tmp_path, monkeypatch):
+    """The row of an artifact backend comes from another process: its peak RSS is that process's own, and
+    a fresh_process=False run of the same backend says so. Both decode the same greedy tokens as eager."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    kw = dict(model=tiny_model("llama"), backends=("exported",), prompt_lens=(4,), new_tokens=4, runs=1,
+              max_seq_len=32)
+    fresh = {r["backend"]: r for r in run_bench(**kw)["results"]}
+    here = {r["backend"]: r for r in run_bench(**kw, fresh_process=False)["results"]}
+    assert fresh["exported"]["measured_in"] == "fresh process" and not fresh["exported"]["error"]
+    assert here["exported"]["measured_in"] == "this process"
+    assert fresh["hf-eager"]["measured_in"] == "this process"
+    assert fresh["exported"]["tokens_match_eager"] and here["exported"]["tokens_match_eager"]
+    # this process has imported transformers and built a model; a process that only loads the artifact has not
+    assert fresh["exported"]["peak_rss_mib"] < here["exported"]["peak_rss_mib"]
+
+
+def test_bench_table_is_full_width_when_piped():
+    from kvtrace.tools.bench import COLUMNS, render_markdown
+
+    row = dict(backend="aoti-packed", dtype="bfloat16", prompt_len=37, error="", compile_s=1.0, prefill_ms=2.0,
+               decode_tok_s=3.0, decode_tok_s_range=(2.5, 3.5), vs_hf_eager=1.5, bound_fraction=0.9,
+               peak_rss_mib=100.0, recompiles=0, tokens_match_eager=False, first_mismatch=13,
+               measured_in="fresh process")
+    broken = {**row, "backend": "aoti", "error": "CaptureError: boom | bang"}
+    text = render_markdown({"bandwidth_gb_s": 20.0, "threads": 2, "results": [row, broken]})
+    lines = text.splitlines()
+    assert lines[2] == "| " + " | ".join(COLUMNS) + " |"  # every header whole
+    assert "| aoti-packed | bfloat16 | 37 |" in lines[4] and "no (at 13)" in lines[4] and "fresh process" in lines[4]
+    assert "error: CaptureError: boom / bang" in lines[5] and lines[5].count("|") == len(COLUMNS) + 1

@@ -1,0 +1,166 @@
+"""kvtrace lint: reports lengths baked into a capture, recaptures and mutations; nothing for the real adapters."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers as tf
+
+from conftest import TINY, tiny_model
+from kvtrace.cache import hf as _hf_cache
+from kvtrace.tools.lint import EXPECTED_PROGRAMS, KINDS, Finding, LintReport, lint
+
+
+class BranchOnLength(tf.LlamaForCausalLM):
+    """Takes a Python branch on the prompt length: a capture at one length is wrong at another."""
+
+    def forward(self, input_ids=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if input_ids.shape[1] > 4:
+            out.logits = out.logits * 2
+        return out
+
+
+class BakedLength(tf.LlamaForCausalLM):
+    """Turns the prompt length into a Python int and computes with it: the capture bakes the example's length."""
+
+    def forward(self, input_ids=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        n = int(input_ids.shape[1])
+        out.logits = out.logits * n
+        return out
+
+
+class BranchOnPosition(tf.LlamaForCausalLM):
+    """Branches on the cache's length, i.e. on the position the new tokens start at."""
+
+    def forward(self, input_ids=None, past_key_values=None, **kwargs):
+        out = super().forward(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        if past_key_values is not None and past_key_values.get_seq_length() > 6:
+            out.logits = out.logits + 1
+        return out
+
+
+def planted(cls: type) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return cls(tf.LlamaConfig(**TINY)).eval().requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def planted_report():
+    """lint() of each planted model, run once per module."""
+    reports: dict[type, LintReport] = {}
+
+    def get(cls: type) -> LintReport:
+        if cls not in reports:
+            reports[cls] = lint(planted(cls))
+        return reports[cls]
+
+    return get
+
+
+def show(report: LintReport) -> str:
+    return "\n".join(report.lines())
+
+
+@pytest.mark.parametrize(
+    ("cls", "kind", "where"),
+    [
+        (BranchOnLength, "specialization", "if input_ids.shape[1] > 4:"),
+        (BakedLength, "specialization", "n = int(input_ids.shape[1])"),
+        (BakedLength, "baked-constant", "out.logits = out.logits * n"),
+        (BranchOnPosition, "specialization", "past_key_values.get_seq_length() > 6"),
+    ],
+    ids=["branch-on-length", "int-of-length-guard", "int-of-length-literal", "branch-on-position"],
+)
+def test_lint_reports_a_planted_length(cls, kind, where, planted_report):
+    report = planted_report(cls)
+    assert not report.ok
+    hits = [f for f in report.of_kind(kind) if where in f.where]
+    assert hits, f"no {kind} finding at {where!r}:\n{show(report)}"
+    assert all(f.kind in KINDS for f in report.findings)
+    assert "test_lint.py:" in hits[0].where  # the line in this file, not in torch or transformers
+    assert report.of_kind("specialization") or report.of_kind("baked-constant")
+
+
+def test_lint_names_the_length_and_the_node(planted_report):
+    report = planted_report(BakedLength)
+    guard = next(f for f in report.of_kind("specialization") if "int(input_ids.shape[1])" in f.where)
+    assert "input_ids.shape[1]" in guard.message and "T=" in guard.message
+    literal = next(f for f in report.of_kind("baked-constant") if "out.logits * n" in f.where)
+    assert "literal 3" in literal.message and "7" in literal.message  # T=3 in jit's capture, T=7 in lint's
+    assert literal.where.startswith("node mul")
+    position = planted_report(BranchOnPosition)
+    assert any("past length P" in f.message for f in position.of_kind("specialization")), show(position)
+
+
+@pytest.fixture(scope="module")
+def adapter_report():
+    reports: dict[str, LintReport] = {}
+
+    def get(arch: str) -> LintReport:
+        if arch not in reports:
+            reports[arch] = lint(tiny_model(arch))
+        return reports[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_lint_reports_nothing_for_the_real_adapters(arch, adapter_report):
+    report = adapter_report(arch)
+    assert report.findings == (), show(report)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_real_adapters_capture_once_per_size_class_with_no_length_baked_in(arch, adapter_report):
+    """Three prompts (5+1, 9+3, and the shortest 1+1): one program per cache kind and size class of (T, P) —
+    fresh T>=2, decode T=1, extend T>=2, fresh T=1, decode T=1 at P=1 — and the second prompt reuses them."""
+    report = adapter_report(arch)
+    assert EXPECTED_PROGRAMS == 5
+    assert report.captures == EXPECTED_PROGRAMS and len(report.calls) == 6
+    doc = json.loads(report.to_json())
+    assert doc["captures"] == EXPECTED_PROGRAMS and len(doc["findings"]) == len(report.findings)
+
+
+def test_lint_reports_recaptures_and_cache_mutations(monkeypatch):
+    write_back = _hf_cache.write_back_dynamic
+
+    def sloppy_write_back(cache, new_state):  # what a buggy epilogue could do
+        write_back(cache, new_state)
+        cache.layers[1].values = cache.layers[1].values * 1.5
+        cache.kvtrace_note = "written"
+
+    monkeypatch.setattr(_hf_cache, "write_back_dynamic", sloppy_write_back)
+    calls = []
+
+    def int32_after_first_call(n):  # the first prompt's ids are int64, later ones int32: a new program key
+        calls.append(n)
+        return {"input_ids": torch.randint(0, 128, (1, n), dtype=torch.int64 if len(calls) == 1 else torch.int32)}
+
+    report = lint(tiny_model("llama"), make_inputs=int32_after_first_call)
+    assert calls == [5, 1, 9, 3, 1, 1]
+    recaptures = report.of_kind("recapture")
+    assert any("dtypes" in f.message and "call 3" in f.where for f in recaptures), show(report)
+    assert any(f"{EXPECTED_PROGRAMS + 1} programs captured over 6 calls" in f.message for f in recaptures), show(report)
+    mutations = report.of_kind("mutation")
+    for i in range(1, 7):
+        assert any(f"call {i} " in f.where and "cache.layers[1].values" in f.message for f in mutations), show(report)
+    assert any("cache.kvtrace_note is set" in f.message for f in mutations), show(report)
+    assert not report.of_kind("specialization") and not report.of_kind("baked-constant"), show(report)
+
+
+def test_report_is_frozen_and_serialisable():
+    f = Finding("baked-constant", "node mul_1 holds the literal 3", "node mul_1 (mul.Tensor) from model.py:3 in forward")
+    report = LintReport(model="M", calls=("prefill 5 tokens",), captures=2, findings=(f,))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        report.captures = 3  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f.kind = "x"  # type: ignore[misc]
+    doc = json.loads(report.to_json())
+    assert doc["ok"] is False and doc["findings"] == [dataclasses.asdict(f)]
+    assert "[baked-constant] node mul_1 holds the literal 3" in str(report)
+    assert "at node mul_1 (mul.Tensor) from model.py:3 in forward" in str(report)
