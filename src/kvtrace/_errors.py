@@ -1,4 +1,18 @@
-"""One error hierarchy. Library code raises these; only the CLI prints and exits."""
+"""One error hierarchy. Library code raises these; only the CLI prints and exits.
+
+::
+
+    KvtraceError                  every error kvtrace raises on purpose (catch this one)
+    ├── UsageError(ValueError)    bad input from the caller: argument, shape, prompt, flag
+    │   ├── SourceError           a model source cannot be resolved or read
+    │   └── CacheOverflowError    a prompt or step would go past the cache's max_seq_len
+    ├── UnsupportedError          a model or cache kind kvtrace does not support (yet)
+    ├── CaptureError              tracing / exporting / compiling failed; the caller's objects untouched
+    └── ArtifactError             an artifact is corrupt, truncated, tampered with or of another version
+
+Every message is one line: what was expected, what was found, what to do. A foreign exception that
+caused one stays on ``__cause__``; ``one_line`` is how a message quotes it.
+"""
 
 from __future__ import annotations
 

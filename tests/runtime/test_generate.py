@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtrace._errors import CacheOverflowError, UsageError
-from kvtrace.runtime.generate import Sampling, _TextStream, generate, sample
+from kvtrace.runtime.generate import Sampling, _TextStream, generate, sample, stream
 from kvtrace.runtime.session import Session
 from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
 
@@ -86,4 +86,34 @@ def test_bad_prompts():
         generate(s, [])
     with pytest.raises(CacheOverflowError, match="40 tokens"):
         generate(s, list(range(40)))
+    assert s.position == 0
+
+
+def test_stream_is_the_same_generation_as_an_iterator():
+    decode = lambda ts: "".join(chr(97 + t) for t in ts)  # noqa: E731
+    want = generate(_session(lambda t: t + 1), [1, 2], max_new_tokens=50, eos_ids=(7,), decode_text=decode)
+    s = _session(lambda t: t + 1)
+    g = stream(s, [1, 2], max_new_tokens=50, eos_ids=(7,), decode_text=decode)
+    assert s.position == 0  # nothing runs before the first next()
+    chunks = list(g)
+    assert [c.token for c in chunks] == want.tokens == [3, 4, 5, 6]
+    assert "".join(c.text for c in chunks) == want.text == g.result.text == "defg"
+    assert g.done and g.result.stats.stop_reason == "eos" and g.result.stats.new_tokens == 4
+
+
+def test_stream_stopped_early_leaves_the_session_at_what_was_generated():
+    s = _session(lambda t: (t + 1) % V)
+    g = stream(s, [1, 2, 3], max_new_tokens=100)
+    first = [next(g).token for _ in range(3)]
+    assert first == [4, 5, 6] and not g.done
+    assert s.position == 3 + 2  # prefill, then one decode per token before the one just yielded
+    assert g.result.tokens == first and g.result.stats.stop_reason == ""
+
+
+def test_stream_checks_its_arguments_before_any_step():
+    s = _session(lambda t: t + 1, max_seq_len=4)
+    with pytest.raises(CacheOverflowError, match="5 tokens but only 4"):
+        stream(s, [1] * 5)
+    with pytest.raises(UsageError, match="empty"):
+        stream(s, [])
     assert s.position == 0

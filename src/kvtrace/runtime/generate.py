@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import resource
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 from kvtrace._errors import CacheOverflowError, UsageError
 from kvtrace.runtime.session import Session
 
-__all__ = ["GenerationResult", "GenerationStats", "Sampling", "generate", "sample"]
+__all__ = ["Chunk", "Generation", "GenerationResult", "GenerationStats", "Sampling", "generate", "sample", "stream"]
 
 
 @dataclass(frozen=True)
@@ -116,6 +116,109 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One generated token and the text it completes (``""`` while a multi-byte character is still
+    incomplete, or when no ``decode_text`` was given)."""
+
+    token: int
+    text: str
+
+
+class Generation:
+    """An iterator of :class:`Chunk` s, one per new token, decoding lazily: each ``next()`` runs one
+    program step (the first one runs prefill). ``result`` holds the tokens, text and stats so far; it is
+    final once the iterator is exhausted (``done``). Breaking out early leaves the session at the tokens
+    generated so far.
+    """
+
+    def __init__(self, session: Session, prompt: Sequence[int] | torch.Tensor, *, max_new_tokens: int,
+                 sampling: Sampling | None, eos_ids: Sequence[int],
+                 decode_text: Callable[[list[int]], str] | None, inputs: Mapping[str, torch.Tensor] | None):
+        self._sampling = sampling or Sampling()
+        ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(1, -1)  # [1, T]
+        if ids.shape[1] == 0:
+            raise UsageError("the prompt is empty; give at least one token of text")
+        if max_new_tokens < 1:
+            raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        room = session.spec.max_seq_len - session.position
+        if ids.shape[1] > room:
+            raise CacheOverflowError(
+                f"the prompt has {ids.shape[1]} tokens but only {room} of max_seq_len={session.spec.max_seq_len} "
+                "cache slots are free; shorten the prompt or export with a larger --max-seq-len"
+            )
+        self.result = GenerationResult()
+        self.result.stats.prompt_tokens = ids.shape[1]
+        self.done = False
+        self._decode_text = decode_text
+        self._steps = self._run(session, ids, max_new_tokens, set(eos_ids), inputs or {})
+
+    def __iter__(self) -> Generation:
+        return self
+
+    def __next__(self) -> Chunk:
+        try:
+            return next(self._steps)
+        except StopIteration:
+            self.done = True
+            raise
+
+    def _run(self, session: Session, ids: torch.Tensor, max_new: int, eos: set[int],
+             inputs: Mapping[str, torch.Tensor]) -> Iterator[Chunk]:
+        s, res, st = self._sampling, self.result, self.result.stats
+        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        stream = _TextStream(self._decode_text) if self._decode_text is not None else None
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = session.prefill(ids, **inputs)[:, -1]  # [1, V]
+        st.prefill_ms = (time.perf_counter() - t0) * 1e3
+        decoding = 0.0  # seconds inside sample/decode; the caller's time between chunks is not counted
+        t1 = time.perf_counter()
+        while True:
+            with torch.inference_mode():
+                tok = sample(logits, s, gen)  # [1, 1]
+            t = int(tok)
+            if t in eos:
+                st.stop_reason = "eos"
+                break
+            res.tokens.append(t)
+            st.new_tokens += 1
+            text = stream.push(res.tokens) if stream is not None else ""
+            stop = ("max_new_tokens" if st.new_tokens >= max_new
+                    else "max_seq_len" if session.position >= session.spec.max_seq_len else "")
+            decoding += time.perf_counter() - t1
+            st.decode_seconds = decoding
+            yield Chunk(t, text)
+            t1 = time.perf_counter()
+            if stop:
+                st.stop_reason = stop
+                break
+            with torch.inference_mode():
+                logits = session.decode(tok)[:, -1]
+        st.decode_seconds = decoding + (time.perf_counter() - t1)
+        st.peak_rss_mib = _peak_rss_mib()
+        if self._decode_text is not None:
+            res.text = self._decode_text(res.tokens)
+
+
+def stream(
+    session: Session,
+    prompt: Sequence[int] | torch.Tensor,
+    *,
+    max_new_tokens: int = 256,
+    sampling: Sampling | None = None,
+    eos_ids: Sequence[int] = (),
+    decode_text: Callable[[list[int]], str] | None = None,
+    inputs: Mapping[str, torch.Tensor] | None = None,
+) -> Generation:
+    """Like :func:`generate`, as an iterator of :class:`Chunk` s (``for c in stream(...): print(c.text)``).
+
+    Arguments are checked here, before the first step; prefill runs on the first ``next()``.
+    """
+    return Generation(session, prompt, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
+                      decode_text=decode_text, inputs=inputs)
+
+
 def generate(
     session: Session,
     prompt: Sequence[int] | torch.Tensor,
@@ -130,52 +233,12 @@ def generate(
     """Prefill ``prompt`` (batch 1) and decode until EOS, ``max_new_tokens`` or the cache is full.
 
     ``inputs``: named prefill inputs of the artifact, e.g. ``{"cross_attention_states": x}`` for a vision decoder.
+    ``on_text(delta)`` is called with each new piece of text (needs ``decode_text``); :func:`stream` is the
+    same generation as an iterator.
     """
-    sampling = sampling or Sampling()
-    ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(1, -1)  # [1, T]
-    if ids.shape[1] == 0:
-        raise UsageError("the prompt is empty; give at least one token of text")
-    if max_new_tokens < 1:
-        raise UsageError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    room = session.spec.max_seq_len - session.position
-    if ids.shape[1] > room:
-        raise CacheOverflowError(
-            f"the prompt has {ids.shape[1]} tokens but only {room} of max_seq_len={session.spec.max_seq_len} "
-            "cache slots are free; shorten the prompt or export with a larger --max-seq-len"
-        )
-    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    stream = _TextStream(decode_text) if decode_text is not None else None
-    result = GenerationResult()
-    st = result.stats
-    st.prompt_tokens = ids.shape[1]
-    eos = set(eos_ids)
-
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        logits = session.prefill(ids, **(inputs or {}))[:, -1]  # [1, V]
-        st.prefill_ms = (time.perf_counter() - t0) * 1e3
-        t1 = time.perf_counter()
-        while True:
-            tok = sample(logits, sampling, gen)  # [1, 1]
-            t = int(tok)
-            if t in eos:
-                st.stop_reason = "eos"
-                break
-            result.tokens.append(t)
-            st.new_tokens += 1
-            if stream is not None and on_text is not None:
-                delta = stream.push(result.tokens)
-                if delta:
-                    on_text(delta)
-            if st.new_tokens >= max_new_tokens:
-                st.stop_reason = "max_new_tokens"
-                break
-            if session.position >= session.spec.max_seq_len:
-                st.stop_reason = "max_seq_len"
-                break
-            logits = session.decode(tok)[:, -1]
-        st.decode_seconds = time.perf_counter() - t1
-    st.peak_rss_mib = _peak_rss_mib()
-    if decode_text is not None:
-        result.text = decode_text(result.tokens)
-    return result
+    g = stream(session, prompt, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
+               decode_text=decode_text, inputs=inputs)
+    for chunk in g:
+        if chunk.text and on_text is not None:
+            on_text(chunk.text)
+    return g.result

@@ -17,9 +17,9 @@ import torch
 import kvtrace
 from conftest import tiny_model, tiny_phi3_longrope
 from kvtrace._errors import CacheOverflowError, CaptureError, UnsupportedError, UsageError
+from kvtrace.artifact import export as _export
 from kvtrace.artifact.archive import Artifact
 from kvtrace.cache.hf import cache_kwarg_name
-from kvtrace.capture import export as _export
 from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
 from kvtrace.spec.tolerances import close, tolerance_for
 
