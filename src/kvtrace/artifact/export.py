@@ -99,7 +99,7 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
                          eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
         return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size,
                             image_tokens=image_tokens), model, info, None
-    from kvtrace.sources.resolve import load_model
+    from kvtrace.sources.load import load_model
 
     loaded = load_model(source, dtype=dtype)
     info = ModelInfo(
