@@ -46,7 +46,7 @@ _builtin: list[Family] = []
 
 def _builtins() -> list[Family]:
     if not _builtin:
-        _builtin.extend(import_module(m).FAMILY for m in BUILTIN)
+        _builtin.extend([import_module(m).FAMILY for m in BUILTIN])  # all or none
     return _builtin
 
 
