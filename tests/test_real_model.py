@@ -30,14 +30,14 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def smol(cache_dir):
-    from kvtrace.sources.resolve import load_model
+    from kvtrace.sources.load import load_model
 
     return load_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="module")
 def chat_ids(smol):
-    from kvtrace.sources.resolve import apply_chat_template
+    from kvtrace.sources.chat import apply_chat_template
 
     tok = smol.tokenizer
     text = apply_chat_template(smol.chat_template, [{"role": "user", "content": QUESTION}],

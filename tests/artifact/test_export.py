@@ -459,7 +459,7 @@ def _head_input_rows(ep: torch.export.ExportedProgram, vocab: int) -> Any:
 
 @pytest.mark.parametrize("arch", ["llama", "phi3"])  # LlamaDecoder; HFDecoder (HF's logits_to_keep)
 def test_prefill_logits_last_projects_one_row_and_matches_eager(arch, tmp_path):
-    from kvtrace.models.hf_generic import make_decoder
+    from kvtrace.models.registry import make_decoder
     from kvtrace.tools.verify import EagerRunner, SessionRunner, verify
 
     model = tiny_model(arch)
@@ -515,7 +515,7 @@ def test_prefill_logits_is_checked(tmp_path):
 
 # --- key_pos: attention over the live cache prefix only ----------------------------------------------
 def test_live_prefix_programs_read_L_slots_and_fill_the_cache_to_the_last_slot(tmp_path):
-    from kvtrace.models.hf_generic import make_decoder
+    from kvtrace.models.registry import make_decoder
     from kvtrace.tools.verify import EagerRunner, SessionRunner, verify
 
     model = tiny_model("llama")

@@ -177,7 +177,7 @@ def test_longrope_export_then_eager_matches_eager_of_an_untouched_model(tmp_path
 
 
 def test_capture_programs_of_the_vision_decoder_leaves_the_decoder_unchanged():
-    from kvtrace.models.hf_generic import make_decoder
+    from kvtrace.models.registry import make_decoder
 
     model = tiny_mllama()
     before_model = fingerprint(model)

@@ -7,8 +7,9 @@ import torch
 from transformers import DynamicCache
 
 from conftest import TINY, tiny_model
-from kvtrace.models.hf_generic import HFDecoder, hf_cache_spec, make_decoder
+from kvtrace.models.hf_generic import HFDecoder, hf_cache_spec
 from kvtrace.models.llama import LlamaDecoder, supports
+from kvtrace.models.registry import make_decoder
 from kvtrace.spec.tolerances import close, tolerance_for
 
 TOL = tolerance_for(torch.float32)

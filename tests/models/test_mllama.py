@@ -88,6 +88,25 @@ def test_cache_spec_declares_self_and_cross_layers(model, artifact):
     assert image.inputs[1].shape == ("B", "T", IMAGE_TOKENS) and image.inputs[1].default == 1.0
 
 
+def test_head_dim_comes_from_the_config_helper():
+    """The cache's D is ``spec.config.head_dim`` (config.head_dim, else hidden / heads); transformers' Mllama
+    cannot run a head_dim other than hidden / heads (its attention ignores it), so such configs are refused."""
+    import transformers as tf
+
+    from kvtrace._errors import UnsupportedError
+    from kvtrace.models.mllama import mllama_cache_spec
+
+    def spec(**kw):
+        cfg = tf.MllamaTextConfig(**TINY, cross_attention_layers=[1], **kw)
+        return mllama_cache_spec(cfg, max_seq_len=8, batch_size=1, dtype=torch.float32, image_tokens=IMAGE_TOKENS)
+
+    split = TINY["hidden_size"] // TINY["num_attention_heads"]
+    assert {layer.head_dim for layer in spec().layers} == {split}
+    assert {layer.head_dim for layer in spec(head_dim=split).layers} == {split}
+    with pytest.raises(UnsupportedError, match=f"head_dim 8, but MllamaForCausalLM's attention uses .* = {split}"):
+        spec(head_dim=8)
+
+
 def test_image_features_change_the_logits(model):
     """Sanity of the scenario: dropping the image would be visible in the logits, not within tolerance."""
     ids = torch.tensor([P0])

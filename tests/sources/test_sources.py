@@ -1,4 +1,5 @@
-"""Tests for kvtrace.sources.resolve: resolving model sources, loading them, the weights cache, chat templates."""
+"""Tests for kvtrace.sources: resolving model sources (resolve, gguf), loading them (load), the weights cache
+(store), chat templates (chat)."""
 
 from __future__ import annotations
 
@@ -14,18 +15,12 @@ import torch
 
 from conftest import CHATML, make_tiny_hf_dir
 from kvtrace._errors import SourceError, UnsupportedError, UsageError
+from kvtrace.sources import gguf as _gguf
 from kvtrace.sources import resolve as _sources
-from kvtrace.sources.resolve import (
-    DEFAULT_MODEL,
-    LoadedModel,
-    ModelSource,
-    apply_chat_template,
-    cache_dir,
-    clear_cache,
-    list_cache,
-    load_model,
-    resolve_source,
-)
+from kvtrace.sources.chat import apply_chat_template, encode_prompt
+from kvtrace.sources.load import LoadedModel, load_model
+from kvtrace.sources.resolve import DEFAULT_MODEL, ModelSource, resolve_source
+from kvtrace.sources.store import cache_dir, clear_cache, list_cache
 
 
 @pytest.fixture(autouse=True)
@@ -234,13 +229,13 @@ def test_default_model_missing_package_says_how_to_install(monkeypatch):
 def test_supported_archs_are_known_to_transformers():
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
 
-    assert set(_sources.SUPPORTED_GGUF_ARCHS) <= set(GGUF_SUPPORTED_ARCHITECTURES)
+    assert set(_gguf.SUPPORTED_GGUF_ARCHS) <= set(GGUF_SUPPORTED_ARCHITECTURES)
 
 
 # ------------------------------------------------------------------------- GGUF tensors vs architecture
 
 
-@pytest.mark.parametrize("arch", _sources.SUPPORTED_GGUF_ARCHS)
+@pytest.mark.parametrize("arch", _gguf.SUPPORTED_GGUF_ARCHS)
 def test_each_architecture_with_its_own_tensors_converts_completely(arch, tmp_path):
     """The tensor table kvtrace checks against is what transformers' converter needs: nothing missing."""
     from gguf.constants import MODEL_ARCH_NAMES
@@ -392,9 +387,9 @@ def test_digest_sees_a_template_edit_that_keeps_size_and_mtime(tmp_path):
 
 def test_import_and_chat_template_do_not_need_transformers():
     code = (
-        "import sys, kvtrace.sources.resolve as s\n"
+        "import sys, kvtrace.sources.resolve as s, kvtrace.sources.chat as c\n"
         "s.resolve_source(None)\n"
-        "out = s.apply_chat_template(TEMPLATE, [{'role': 'user', 'content': 'x'}], bos_token=None, eos_token=None)\n"
+        "out = c.apply_chat_template(TEMPLATE, [{'role': 'user', 'content': 'x'}], bos_token=None, eos_token=None)\n"
         "assert out.endswith('assistant\\n'), out\n"
         "assert 'transformers' not in sys.modules\n"
     ).replace("TEMPLATE", repr(CHATML))
@@ -533,6 +528,25 @@ def test_template_sandbox_blocks_attribute_escapes():
 def test_missing_template_says_use_raw():
     with pytest.raises(SourceError, match="--raw"):
         apply_chat_template(None, [{"role": "user", "content": "x"}], bos_token=None, eos_token=None)
+
+
+def test_encode_prompt_through_the_template_or_as_plain_text():
+    from conftest import WORDS
+
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    template = "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {{ eos_token }}{% endfor %}"
+    kw = {"template": template, "bos_id": 1, "eos_ids": (2,)}
+    # chat: the template names BOS/EOS by id and places them; the tokenizer adds none of its own
+    assert encode_prompt(tok, "the cat", chat=True, **kw) == [1, 5, 6, 2]
+    assert encode_prompt(tok, "the cat", chat=False, **kw) == [1, 5, 6]  # plain text: the tokenizer's BOS
+    with pytest.raises(SourceError, match="--raw"):
+        encode_prompt(tok, "the cat", chat=True, template=None, bos_id=1, eos_ids=())
+    # require_template=False (verify's prompts): without a template the text is encoded as it is
+    assert encode_prompt(tok, "the cat", chat=True, template=None, bos_id=1, eos_ids=(), require_template=False) \
+        == [5, 6]
 
 
 # --------------------------------------------------------------------------------------------- cache

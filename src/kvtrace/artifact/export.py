@@ -86,7 +86,7 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
                  image_tokens: int | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
     """(decoder, eager HF model or None, model info, tokenizer JSON or None) for a source string/path,
     an HF model or a Decoder."""
-    from kvtrace.models.hf_generic import make_decoder
+    from kvtrace.models.registry import make_decoder
 
     if isinstance(source, torch.nn.Module) and hasattr(source, "cache_spec"):
         return source, None, ModelInfo(model_name=type(source).__name__), None
@@ -99,7 +99,7 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
                          eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
         return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size,
                             image_tokens=image_tokens), model, info, None
-    from kvtrace.sources.resolve import load_model
+    from kvtrace.sources.load import load_model
 
     loaded = load_model(source, dtype=dtype)
     info = ModelInfo(

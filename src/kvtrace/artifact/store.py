@@ -53,7 +53,7 @@ def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, bat
 
 
 def _artifacts_dir() -> Path:
-    from kvtrace.sources.resolve import cache_dir
+    from kvtrace.sources.store import cache_dir
 
     d = cache_dir() / "artifacts"
     try:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from kvtrace._errors import UnsupportedError, UsageError
+from kvtrace.spec import config as hfconfig
 
 SUPPORTED = (
     "transformers.DynamicCache with full-attention layers (fresh or filled), "
@@ -259,7 +260,7 @@ def kv_geometry(config: Any) -> tuple[int, int, int]:
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     n_heads = cfg.num_attention_heads
     n_kv = getattr(cfg, "num_key_value_heads", None) or n_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
+    head_dim = hfconfig.head_dim(cfg)
     return cfg.num_hidden_layers, n_kv, head_dim
 
 

@@ -74,17 +74,13 @@ def _read_prompt(prompt: str | None) -> str:
 
 
 def _encode(art: Any, text: str, chat: bool) -> list[int]:
-    from kvtrace.sources.resolve import apply_chat_template
+    from kvtrace.sources.chat import encode_prompt
 
     tok = art.tokenizer()
     if tok is None:
         raise UsageError(f"{art.path} has no tokenizer; export it from a model source that has one")
     m = art.manifest
-    if chat:
-        name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
-        text = apply_chat_template(m.chat_template, [{"role": "user", "content": text}],
-                                   bos_token=name(m.bos_id), eos_token=name(m.eos_ids[0] if m.eos_ids else None))
-    return tok.encode(text, add_special_tokens=not chat).ids
+    return encode_prompt(tok, text, chat=chat, template=m.chat_template, bos_id=m.bos_id, eos_ids=m.eos_ids)
 
 
 def _generate(ui: _UI, art: Any, prompt: str, args: argparse.Namespace, max_new: int) -> dict[str, Any]:
@@ -257,7 +253,7 @@ def cmd_lint(args: argparse.Namespace, ui: _UI) -> int:
 
 def cmd_cache(args: argparse.Namespace, ui: _UI) -> int:
     from kvtrace.artifact.store import clear_artifacts, list_artifacts
-    from kvtrace.sources.resolve import cache_dir, clear_cache, list_cache
+    from kvtrace.sources.store import cache_dir, clear_cache, list_cache
 
     if args.action == "clear":
         freed = clear_cache() + clear_artifacts()

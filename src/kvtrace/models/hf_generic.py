@@ -1,12 +1,4 @@
-"""Decoder: the uniform, functional view of a model that export captures.
-
-Contract of every Decoder (an ``nn.Module`` with a ``cache_spec`` attribute)::
-
-    forward(tokens: LongTensor[B, T], input_pos: LongTensor[T], *state) -> logits[B, T, V]
-
-``state`` is the cache, exactly ``cache_spec.buffers()`` in order (k0, v0, k1, v1, ..., extras),
-and is updated in place at ``input_pos``. ``input_pos`` holds absolute positions; the caller (a
-Session) advances it in one visible place. Nothing here calls ``.item()``.
+"""HFDecoder: any supported HF causal LM as a Decoder (contract: ``spec/decoder.py``).
 
 ``HFDecoder`` adapts a HuggingFace causal LM: it hands the model a ``StaticCache`` whose tensors are
 the state buffers and whose write offset is ``input_pos[0]``; HF's causal mask (by position) hides
@@ -20,31 +12,30 @@ from typing import Any
 
 import torch
 
-from kvtrace._errors import UnsupportedError, UsageError
+from kvtrace._errors import UnsupportedError
 from kvtrace.cache import hf as hfc
+from kvtrace.models.registry import Family
+from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
 
-__all__ = ["HFDecoder", "hf_cache_spec", "make_decoder"]
+__all__ = ["FAMILY", "HFDecoder", "hf_cache_spec"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def hf_cache_spec(config: Any, *, max_seq_len: int, batch_size: int, dtype: torch.dtype) -> CacheSpec:
     """Derive the CacheSpec of an HF decoder config (full-attention layers only, for now)."""
-    cfg = config.get_text_config(decoder=True)
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        if cfg.sliding_window < max_seq_len:
-            raise UnsupportedError(
-                f"{cfg.model_type} uses a sliding window of {cfg.sliding_window} < max_seq_len {max_seq_len}; "
-                f"sliding-window caches are not supported yet. Export with --max-seq-len <= {cfg.sliding_window}."
-            )
-    limit = getattr(cfg, "max_position_embeddings", None)
-    if limit and max_seq_len > limit:
-        raise UsageError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings {limit}")
-    n_layers, n_kv, head_dim = hfc.kv_geometry(cfg)
-    layer = LayerSpec(LayerKind.FULL, n_kv, head_dim, max_seq_len)
+    cfg = hfconfig.text_config(config)
+    window = hfconfig.sliding_window(cfg)
+    if window and window < max_seq_len:
+        raise UnsupportedError(
+            f"{cfg.model_type} uses a sliding window of {window} < max_seq_len {max_seq_len}; "
+            f"sliding-window caches are not supported yet. Export with --max-seq-len <= {window}."
+        )
+    hfconfig.check_max_seq_len(cfg, max_seq_len)
+    layer = LayerSpec(LayerKind.FULL, hfconfig.kv_heads(cfg), hfconfig.head_dim(cfg), max_seq_len)
     return CacheSpec(
-        layers=(layer,) * n_layers,
+        layers=(layer,) * cfg.num_hidden_layers,
         batch_size=batch_size,
         max_seq_len=max_seq_len,
         dtype=str(dtype).removeprefix("torch."),
@@ -101,23 +92,13 @@ class HFDecoder(torch.nn.Module):
         return out.logits  # [B, T or 1, V]
 
 
-def make_decoder(model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1,
-                 image_tokens: int | None = None) -> torch.nn.Module:
-    """The Decoder to export for an HF model: MllamaDecoder for the Llama 3.2 Vision text decoder, the
-    lean LlamaDecoder for plain Llama-family configs (Llama, SmolLM2, Qwen2, Mistral without sliding
-    window), else the general HFDecoder."""
-    from kvtrace.models.llama import LlamaDecoder, supports
-    from kvtrace.models.mllama import DEFAULT_IMAGE_TOKENS, MllamaDecoder, is_mllama, mllama_cache_spec
+def supports(config: Any) -> bool:
+    return config.model_type in SUPPORTED_MODEL_TYPES
 
-    dtype = next(model.parameters()).dtype
-    if is_mllama(model.config):
-        spec = mllama_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype,
-                                 image_tokens=DEFAULT_IMAGE_TOKENS if image_tokens is None else image_tokens)
-        return MllamaDecoder.from_hf(model, spec)
-    if image_tokens is not None:
-        raise UsageError(f"image_tokens applies to vision decoders (MllamaForCausalLM); "
-                         f"{model.config.model_type!r} is a text-only model, so leave it unset")
-    if supports(model.config):
-        spec = hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
-        return LlamaDecoder.from_hf(model, spec)
+
+def _build(model: torch.nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> HFDecoder:
     return HFDecoder(model, max_seq_len=max_seq_len, batch_size=batch_size)
+
+
+# The general decoder: HF's own forward over a StaticCache; asked last.
+FAMILY = Family("hf", SUPPORTED_MODEL_TYPES, supports, _build, priority=90)

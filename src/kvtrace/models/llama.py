@@ -5,7 +5,7 @@ verified against the HF model by ``kvtrace verify``. It exists because a lean gr
 lean program: q/k/v and gate/up projections are fused into one matmul each, RoPE is a table lookup
 by ``input_pos``, and the cache is written with one ``index_copy_`` per tensor.
 
-Decoder contract (see _decoder.py)::
+Decoder contract (see spec/decoder.py)::
 
     forward(tokens [B, T], input_pos [T], k0, v0, k1, v1, ...) -> logits [B, T, V]
     k_i, v_i: [B, H_kv, S, D], written in place at input_pos
@@ -25,12 +25,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
+from kvtrace.models.hf_generic import hf_cache_spec
+from kvtrace.models.registry import Family
+from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import DEFAULT_PROGRAMS, ProgramSpec
 
-__all__ = ["LlamaArgs", "LlamaDecoder", "rope_type", "supports"]
+__all__ = ["FAMILY", "LlamaArgs", "LlamaDecoder", "supports"]
 
-FAMILY = ("llama", "qwen2", "mistral")
+MODEL_TYPES = ("llama", "qwen2", "mistral")
 # RoPE variants whose frequencies depend on the whole sequence's length, not only on a position: HF's
 # longrope switches every position to the long factors once the sequence passes
 # original_max_position_embeddings, dynamic NTK rescales past max_position_embeddings. A table indexed by
@@ -58,20 +61,14 @@ class LlamaArgs:
 
 def supports(config: Any) -> bool:
     """True when the HF config is a plain Llama-family decoder this module reproduces exactly."""
-    cfg = config.get_text_config(decoder=True)
-    if cfg.model_type not in FAMILY or getattr(cfg, "hidden_act", "silu") != "silu":
+    cfg = hfconfig.text_config(config)
+    if cfg.model_type not in MODEL_TYPES or getattr(cfg, "hidden_act", "silu") != "silu":
         return False
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+    if hfconfig.sliding_window(cfg):
         return False
     if getattr(cfg, "mlp_bias", False) or (cfg.model_type == "llama" and getattr(cfg, "attention_bias", False)):
         return False
-    return rope_type(cfg) not in LENGTH_DEPENDENT_ROPE
-
-
-def rope_type(cfg: Any) -> str:
-    """The config's RoPE variant: ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4.x), else "default"."""
-    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
-    return str(rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
+    return hfconfig.rope_type(cfg) not in LENGTH_DEPENDENT_ROPE
 
 
 class _Layer(nn.Module):
@@ -190,15 +187,13 @@ class LlamaDecoder(nn.Module):
     @classmethod
     def from_hf(cls, model: nn.Module, spec: CacheSpec) -> LlamaDecoder:
         """Copy (and fuse) the weights of an HF Llama-family causal LM."""
-        cfg = model.config.get_text_config(decoder=True)
+        cfg = hfconfig.text_config(model.config)
         if not supports(cfg):
             raise UnsupportedError(f"LlamaDecoder does not reproduce {cfg.model_type!r} configs like this one")
-        n_heads = cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_heads
         hf = model.model
         a = LlamaArgs(
-            dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=n_heads,
-            n_kv_heads=cfg.num_key_value_heads or n_heads, head_dim=head_dim, hidden_dim=cfg.intermediate_size,
+            dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
+            n_kv_heads=hfconfig.kv_heads(cfg), head_dim=hfconfig.head_dim(cfg), hidden_dim=cfg.intermediate_size,
             vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps,
             qkv_bias=hf.layers[0].self_attn.q_proj.bias is not None,
             tie_embeddings=model.lm_head.weight.data_ptr() == hf.embed_tokens.weight.data_ptr(),
@@ -242,3 +237,13 @@ def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype) -> tuple[torch.Te
     emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
     scale = getattr(rotary, "attention_scaling", 1.0)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> LlamaDecoder:
+    dtype = next(model.parameters()).dtype
+    return LlamaDecoder.from_hf(model, hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size,
+                                                     dtype=dtype))
+
+
+# Plain Llama-family configs (Llama, SmolLM2, Qwen2, Mistral without sliding window): before the general HFDecoder.
+FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20)

@@ -45,10 +45,12 @@ from kvtrace.models.llama import (
     self_attention_block,
     swiglu,
 )
+from kvtrace.models.registry import Family
+from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
 from kvtrace.spec.program import InputSpec, ProgramSpec
 
-__all__ = ["DEFAULT_IMAGE_TOKENS", "MllamaDecoder", "cross_mask_bias", "hf_cross_kwargs", "is_mllama",
+__all__ = ["DEFAULT_IMAGE_TOKENS", "FAMILY", "MllamaDecoder", "cross_mask_bias", "hf_cross_kwargs", "is_mllama",
            "mllama_cache_spec"]
 
 MODEL_TYPES = ("mllama_text_model",)
@@ -57,7 +59,18 @@ DEFAULT_IMAGE_TOKENS = 4 * 1601
 
 
 def is_mllama(config: Any) -> bool:
-    return config.get_text_config(decoder=True).model_type in MODEL_TYPES
+    return hfconfig.text_config(config).model_type in MODEL_TYPES
+
+
+def _head_dim(cfg: Any) -> int:
+    """D, from ``config.head_dim`` when set; transformers' Mllama sizes its attention by hidden_size //
+    num_attention_heads and fails on configs that say otherwise, so those are refused here too."""
+    d, split = hfconfig.head_dim(cfg), cfg.hidden_size // cfg.num_attention_heads
+    if d != split:
+        raise UnsupportedError(f"this Mllama config sets head_dim {d}, but MllamaForCausalLM's attention uses "
+                               f"hidden_size // num_attention_heads = {split} (and fails on it); "
+                               "remove head_dim from the config or set it to hidden_size // num_attention_heads")
+    return d
 
 
 def _cross_layers(cfg: Any) -> tuple[int, ...]:
@@ -67,15 +80,12 @@ def _cross_layers(cfg: Any) -> tuple[int, ...]:
 def mllama_cache_spec(config: Any, *, max_seq_len: int, batch_size: int, dtype: torch.dtype,
                       image_tokens: int) -> CacheSpec:
     """FULL layers for self-attention, CROSS layers of ``image_tokens`` slots, plus cross.mask/cross.active."""
-    cfg = config.get_text_config(decoder=True)
+    cfg = hfconfig.text_config(config)
     if not (isinstance(image_tokens, int) and image_tokens >= 1):
         raise UsageError(f"image_tokens must be an int >= 1 (the N of cross_attention_states [B, N, dim]), "
                          f"got {image_tokens!r}")
-    if max_seq_len > cfg.max_position_embeddings:
-        raise UsageError(f"max_seq_len {max_seq_len} exceeds the model's max_position_embeddings "
-                         f"{cfg.max_position_embeddings}")
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    n_kv = cfg.num_key_value_heads
+    hfconfig.check_max_seq_len(cfg, max_seq_len)
+    head_dim, n_kv = _head_dim(cfg), hfconfig.kv_heads(cfg)
     cross = _cross_layers(cfg)
     layers = tuple(
         LayerSpec(LayerKind.CROSS, n_kv, head_dim, image_tokens) if i in cross
@@ -219,13 +229,12 @@ class MllamaDecoder(nn.Module):
     @classmethod
     def from_hf(cls, model: nn.Module, spec: CacheSpec) -> MllamaDecoder:
         """Copy (and fuse) the weights of an HF ``MllamaForCausalLM``."""
-        cfg = model.config.get_text_config(decoder=True)
+        cfg = hfconfig.text_config(model.config)
         if not is_mllama(cfg) or getattr(cfg, "hidden_act", "silu") != "silu":
             raise UnsupportedError(f"MllamaDecoder reproduces MllamaForCausalLM (silu); got {cfg.model_type!r}")
         hf = model.model
-        n_heads = cfg.num_attention_heads
-        a = LlamaArgs(dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=n_heads,
-                      n_kv_heads=cfg.num_key_value_heads, head_dim=cfg.hidden_size // n_heads,
+        a = LlamaArgs(dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
+                      n_kv_heads=hfconfig.kv_heads(cfg), head_dim=_head_dim(cfg),
                       hidden_dim=cfg.intermediate_size, vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps,
                       qkv_bias=False, tie_embeddings=False)
         cos, sin = _rope_table(hf.rotary_emb, spec.max_seq_len, spec.torch_dtype)
@@ -251,3 +260,14 @@ class MllamaDecoder(nn.Module):
                 copy_hf_mlp(mine, theirs.mlp, dt)
                 mine.mlp_gate.copy_(theirs.cross_attn_mlp_gate.to(dt))
         return dec.eval().requires_grad_(False)
+
+
+def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> MllamaDecoder:
+    spec = mllama_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size,
+                             dtype=next(model.parameters()).dtype,
+                             image_tokens=DEFAULT_IMAGE_TOKENS if image_tokens is None else image_tokens)
+    return MllamaDecoder.from_hf(model, spec)
+
+
+# The Llama 3.2 Vision text decoder: asked first, the only family that takes image_tokens.
+FAMILY = Family("mllama", MODEL_TYPES, is_mllama, _build, priority=10, vision=True)

@@ -1,4 +1,10 @@
 """Model sources: names, HF directories and GGUF files resolved, checked, converted and loaded.
 
+``resolve`` (a name / path -> ``ModelSource`` with its content digest; never imports transformers),
+``gguf`` (the GGUF header and tensor table walked and checked against ``general.architecture``),
+``load`` (``load_model``: an HF causal LM + fast tokenizer, GGUFs dequantized once into the weights
+cache), ``store`` (the weights cache folder: ``cache_dir``, ``list_cache``, ``clear_cache``), ``chat``
+(HF-style chat templates rendered without transformers; ``encode_prompt`` for one user prompt).
+
 May import: ``spec``, ``cache``, ``models``.
 """

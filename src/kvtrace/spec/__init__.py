@@ -1,7 +1,10 @@
 """Specs: the small frozen descriptions everything else derives from.
 
 ``cache`` (CacheSpec, LayerSpec, LayerKind: what a KV cache is), ``program`` (ProgramSpec, InputSpec:
-what each captured program takes and returns), ``tolerances`` (per-dtype verify tolerances, in one place).
+what each captured program takes and returns), ``decoder`` (the Decoder protocol every model family
+builds: ``cache_spec`` + ``forward(tokens, input_pos, *cache) -> logits``), ``config`` (reading HF
+config objects: head_dim, KV heads, RoPE type, max positions, sliding window, layer types),
+``tolerances`` (per-dtype verify tolerances, in one place).
 
 Layer 1 of the flow: imports nothing from kvtrace but ``kvtrace._errors``.
 """

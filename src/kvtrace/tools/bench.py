@@ -326,7 +326,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                 raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
             t0 = time.perf_counter()
             if model is None:
-                from kvtrace.sources.resolve import load_model
+                from kvtrace.sources.load import load_model
 
                 m = load_model(model_source, dtype=DTYPES[dtype]).model
             else:

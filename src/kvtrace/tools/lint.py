@@ -748,7 +748,7 @@ def _dedupe(findings: list[Finding]) -> list[Finding]:
 def run_cli_lint(args: Any, step: Any) -> LintReport:
     """What ``kvtrace lint SOURCE [--dtype D]`` runs: load the model, lint it (the CLI prints and exits 0/1)."""
     from kvtrace.artifact.export import DTYPES
-    from kvtrace.sources.resolve import load_model
+    from kvtrace.sources.load import load_model
 
     with step(f"loading {args.source}"):
         lm = load_model(args.source, dtype=DTYPES[args.dtype])

@@ -472,7 +472,8 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
     from kvtrace._errors import UsageError
     from kvtrace.artifact.archive import load
     from kvtrace.artifact.export import DTYPES, export
-    from kvtrace.sources.resolve import apply_chat_template, load_model
+    from kvtrace.sources.chat import encode_prompt
+    from kvtrace.sources.load import load_model
 
     against = [a.strip() for a in args.against.split(",") if a.strip()]
     unknown = sorted(set(against) - {"jit", "jit-eager", "exported", "aoti", "aoti-packed"})
@@ -488,13 +489,8 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
     with step(f"loading {args.source}"):
         lm = load_model(args.source, dtype=dtype)
     tok = lm.tokenizer
-    ids = []
-    for text in _prompts(args):
-        if args.chat and lm.chat_template:
-            name = lambda i: tok.id_to_token(i) if i is not None else None  # noqa: E731
-            text = apply_chat_template(lm.chat_template, [{"role": "user", "content": text}],
-                                       bos_token=name(lm.bos_id), eos_token=name(lm.eos_ids[0] if lm.eos_ids else None))
-        ids.append(tok.encode(text, add_special_tokens=not args.chat).ids)
+    ids = [encode_prompt(tok, text, chat=args.chat, template=lm.chat_template, bos_id=lm.bos_id, eos_ids=lm.eos_ids,
+                         require_template=False) for text in _prompts(args)]
     longest = max(len(i) for i in ids) + args.steps
     max_seq_len = max(args.max_seq_len, longest)
     prompts: list[Prompt] = [Prompt(i) for i in ids]
