@@ -1,0 +1,86 @@
+"""argparse pieces shared by the commands: one-line errors (exit 2) and checked value types."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from typing import NoReturn
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with kvtrace's one-line errors (exit 2): ``kvtrace run: error: ... (see kvtrace run --help)``."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: a whole number in [low, high]."""
+    want = f"a whole number >= {low}" if high is None else f"a whole number in [{low}, {high}]"
+
+    def whole_number(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        if v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"expected {want}, got {v}")
+        return v
+
+    return whole_number
+
+
+def number(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
+
+
+def temperature(text: str) -> float:
+    v = number(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0 (0 = greedy), got {text!r}")
+    return v
+
+
+def probability(text: str) -> float:
+    v = number(text)
+    if not 0 < v <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
+    return v
+
+
+def int_list(text: str) -> str:
+    """A comma list of whole numbers >= 1 (bench --prompt-len), kept as text."""
+    items = [t.strip() for t in text.split(",")]
+    if not all(t.isdigit() and int(t) >= 1 for t in items):
+        raise argparse.ArgumentTypeError(f"expected whole numbers >= 1 separated by commas, got {text!r}")
+    return ",".join(items)
+
+
+POSITIVE, SEED = int_in(1), int_in(0, 2**63 - 1)
+
+
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=POSITIVE, default=None)
+    p.add_argument("--top-p", type=probability, default=None, help="in (0, 1]")
+    p.add_argument("--seed", type=SEED, default=None)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--chat", dest="chat", action="store_true", default=True, help="apply the chat template (default)")
+    g.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as plain text")
+
+
+def common(p: argparse.ArgumentParser, json_flag: bool) -> None:
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    else:
+        p.add_argument("--json", default=None, metavar="OUT", help="write every step's numbers as JSON to OUT")
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+
