@@ -19,18 +19,12 @@ from transformers import DynamicCache, StaticCache
 import kvtrace
 import kvtrace.runtime.jit
 from conftest import ARCHS, LONGROPE_ORIGINAL, TINY, tiny_model, tiny_phi3_longrope
-from kvtrace.spec.tolerances import close, tolerance_for
+from helpers import assert_close
 
 PROMPT = [[128000, 791, 1401, 311, 2324, 374]]  # Llama-3 token ids, <|begin_of_text|> first
 
 
 # --- helpers ----------------------------------------------------------------------------------
-def assert_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, what: str) -> float:
-    ok, diff, limit = close(a, b, tolerance_for(dtype))
-    assert ok, f"{what}: max|jit - eager| = {diff:.3g} > {limit:.3g}"
-    return diff
-
-
 def kv(cache: Any) -> list[torch.Tensor]:
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 

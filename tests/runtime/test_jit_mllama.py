@@ -18,7 +18,7 @@ from transformers.models.mllama.modeling_mllama import _prepare_cross_attention_
 import kvtrace
 import kvtrace.runtime.jit
 from conftest import IMAGE_TOKENS, MLLAMA_CROSS_LAYERS, TINY, image_features, tiny_mllama
-from kvtrace.spec.tolerances import close, tolerance_for
+from helpers import assert_close
 
 STEPS = 16  # greedy decode steps after each prefill
 SELF_LAYERS = tuple(i for i in range(4) if i not in MLLAMA_CROSS_LAYERS)
@@ -56,11 +56,6 @@ def tokens(batch: int, n: int, seed: int = 1) -> torch.Tensor:
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits[:, -1:].argmax(-1)
-
-
-def assert_close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    ok, diff, limit = close(a, b, tolerance_for(dtype))
-    assert ok, f"{what}: max|jit - eager| = {diff:.3g} > {limit:.3g}"
 
 
 def layout(cache: Any) -> list[tuple[bool, tuple[int, ...] | None]]:

@@ -15,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 import transformers as tf
-from test_jit import assert_caches_close, assert_close, greedy, kv, ones, tokens
+from test_jit import assert_caches_close, greedy, kv, ones, tokens
 from transformers import DynamicCache
 
 import kvtrace
 import kvtrace.runtime.jit
 from conftest import TINY, tiny_model
+from helpers import assert_close
 
 BACKENDS = ["eager", pytest.param("inductor", marks=pytest.mark.compile)]
 PROMPT, DECODES = 8, 12  # cache lengths 8 .. 19 at the decodes: every threshold below is crossed

@@ -7,10 +7,11 @@ import torch
 
 import kvtrace
 from conftest import tiny_model
+from helpers import assert_close
 from kvtrace._errors import CacheOverflowError, UsageError
 from kvtrace.cache.hf import cache_kwarg_name
 from kvtrace.runtime.session import Snapshot
-from kvtrace.spec.tolerances import close, tolerance_for
+from kvtrace.spec.tolerances import tolerance_for
 
 MAX_SEQ_LEN = 20
 PROMPT_A = torch.tensor([[5, 17, 42, 8, 99, 3, 64]])  # [1, 7]
@@ -33,15 +34,10 @@ def eager(model, cache, ids):
         return model(input_ids=ids, use_cache=True, **{cache_kwarg_name(model): cache}).logits
 
 
-def assert_close(a, b, what=""):
-    ok, diff, limit = close(a, b, TOL)
-    assert ok, f"{what}: differs by {diff:.3g} > {limit:.3g}"
-
-
 def assert_state_equal(a, b, what=""):
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b, strict=True)):
-        assert_close(x, y, f"{what} state[{i}]")
+        assert_close(x, y, what=f"{what} state[{i}]")
 
 
 def greedy(session, logits, n):
@@ -65,7 +61,7 @@ def test_position_advances_and_chunked_prefill_equals_one_prefill(art):
     assert chunked.position == 4
     last = chunked.prefill(PROMPT_A[:, 4:])
     assert chunked.position == 7
-    assert_close(torch.cat([first, mid, last], dim=1), ref, "chunked prefill logits")
+    assert_close(torch.cat([first, mid, last], dim=1), ref, what="chunked prefill logits")
     assert_state_equal(chunked.state, whole.state, "chunked prefill")
     whole.decode(torch.tensor([[1]]))
     assert whole.position == 8
@@ -88,9 +84,9 @@ def test_reset_between_prompts_equals_fresh_sessions(art):
     rb = [fresh_b.prefill(PROMPT_B)]
     rb += greedy(fresh_b, rb[0], 3)
     for i, (x, y) in enumerate(zip(la, ra, strict=True)):
-        assert_close(x, y, f"prompt A call {i}")
+        assert_close(x, y, what=f"prompt A call {i}")
     for i, (x, y) in enumerate(zip(lb, rb, strict=True)):
-        assert_close(x, y, f"prompt B call {i}")
+        assert_close(x, y, what=f"prompt B call {i}")
     assert_state_equal(state_a, fresh_a.state, "prompt A")
     # B is shorter than A: stale slots left by A would show here if reset() did not clear them
     assert_state_equal(s.state, fresh_b.state, "prompt B after reset")
@@ -114,12 +110,12 @@ def test_rewind_then_decode_equals_eager_on_the_truncated_sequence(art):
     cache = DynamicCache(config=model.config)
     eager(model, cache, PROMPT_A[:, :6])
     ref = eager(model, cache, tok)
-    assert_close(got, ref, "decode after rewind")
+    assert_close(got, ref, what="decode after rewind")
     for i, layer in enumerate(cache.layers):  # the live prefix matches eager on the truncated sequence
-        assert_close(s.state[2 * i][:, :, :7], layer.keys, f"layer {i} K")
-        assert_close(s.state[2 * i + 1][:, :, :7], layer.values, f"layer {i} V")
+        assert_close(s.state[2 * i][:, :, :7], layer.keys, what=f"layer {i} K")
+        assert_close(s.state[2 * i + 1][:, :, :7], layer.values, what=f"layer {i} V")
     ref2 = eager(model, cache, ref.argmax(-1))
-    assert_close(s.decode(ref.argmax(-1)), ref2, "second decode after rewind")
+    assert_close(s.decode(ref.argmax(-1)), ref2, what="second decode after rewind")
 
     s.rewind(0)
     assert s.position == 8
@@ -148,11 +144,11 @@ def test_snapshot_restore_round_trips(art):
     assert [t.data_ptr() for t in s.state] == live  # restored in place: programs keep their buffers
     assert s.position == 7
     assert_state_equal(s.state, kept, "restored state")
-    assert_close(s.decode(tok), right_after, "decode after restore")
+    assert_close(s.decode(tok), right_after, what="decode after restore")
     # a snapshot restores into another session of the same artifact too
     other = art.session()
     other.restore(snap)
-    assert_close(other.decode(tok), right_after, "decode in another session after restore")
+    assert_close(other.decode(tok), right_after, what="decode in another session after restore")
 
 
 def test_restore_refuses_a_foreign_snapshot(art):
@@ -183,7 +179,7 @@ def test_two_sessions_do_not_share_cache_memory(art):
     # and a still continues exactly like a session that never saw b
     ref = art.session()
     ref.prefill(PROMPT_A)
-    assert_close(a.decode(torch.tensor([[3]])), ref.decode(torch.tensor([[3]])), "a after b ran")
+    assert_close(a.decode(torch.tensor([[3]])), ref.decode(torch.tensor([[3]])), what="a after b ran")
 
 
 # --- 5. bad input -----------------------------------------------------------------------------
@@ -241,10 +237,10 @@ def test_bad_input_is_refused_with_usage_error(art, call, tokens, match):
 
 def test_int32_and_non_contiguous_tokens_are_accepted(art):
     ref = art.session().prefill(PROMPT_A)
-    assert_close(art.session().prefill(PROMPT_A.to(torch.int32)), ref, "int32 prompt")
+    assert_close(art.session().prefill(PROMPT_A.to(torch.int32)), ref, what="int32 prompt")
     strided = torch.stack([PROMPT_A, PROMPT_A + 1], dim=2)[..., 0]  # [1, 7] with stride 2
     assert not strided.is_contiguous() and torch.equal(strided, PROMPT_A)
-    assert_close(art.session().prefill(strided), ref, "non-contiguous prompt")
+    assert_close(art.session().prefill(strided), ref, what="non-contiguous prompt")
 
 
 # --- 6. trust: arguments are checked before the cache is touched (issue #12) -------------------------
@@ -264,9 +260,9 @@ def test_token_lists_are_accepted_like_tensors(art):
     want = ref.prefill(PROMPT_A)
     want_next = ref.decode(torch.tensor([[3]]))
     s = art.session()
-    assert_close(s.prefill(PROMPT_A[0].tolist()), want, "prefill of a flat list")
-    assert_close(s.decode([[3]]), want_next, "decode of [[id]]")
-    assert_close(art.session().prefill(PROMPT_A.tolist()), want, "prefill of a list of rows")
+    assert_close(s.prefill(PROMPT_A[0].tolist()), want, what="prefill of a flat list")
+    assert_close(s.decode([[3]]), want_next, what="decode of [[id]]")
+    assert_close(art.session().prefill(PROMPT_A.tolist()), want, what="prefill of a list of rows")
 
 
 @pytest.mark.parametrize(

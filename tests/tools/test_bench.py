@@ -5,6 +5,7 @@ from __future__ import annotations
 import tempfile
 
 from conftest import tiny_model
+from helpers import cache_kwarg_only_model
 from kvtrace.tools.bench import run_bench
 
 
@@ -28,6 +29,14 @@ def test_bench_in_another_dtype_leaves_the_callers_model_alone():
     assert [r["dtype"] for r in data["results"]] == ["bfloat16"] and not data["results"][0]["error"]
     assert {n: (p.dtype, p.data_ptr()) for n, p in model.named_parameters()} == before
     assert next(model.parameters()).dtype == torch.float32
+
+
+def test_bench_calls_hf_with_the_models_own_cache_kwarg():
+    """A forward that takes ``cache=`` only (transformers 5.40 drops ``past_key_values=``) still benches."""
+    data = run_bench(model=cache_kwarg_only_model(), backends=("hf-eager",), prompt_lens=(4,), new_tokens=3, runs=1,
+                     max_seq_len=16)
+    assert [(r["backend"], r["error"]) for r in data["results"]] == [("hf-eager", "")]
+    assert data["results"][0]["tokens_match_eager"] is True
 
 
 def test_artifact_backends_are_measured_in_a_fresh_process(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ from rich.console import Console
 
 import kvtrace
 from conftest import tiny_model
+from helpers import cache_kwarg_only_model
 from kvtrace.cache.hf import kv_geometry
 from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
 from kvtrace.spec.tolerances import tolerance_for
@@ -431,3 +432,13 @@ def test_a_nan_fails_both_routes(bf16_pair):
 def test_fp32_reference_is_refused_for_a_float32_run(llama):
     with pytest.raises(kvtrace.UsageError, match="only applies to reduced-precision runs"):
         verify(EagerRunner(llama), [], PROMPTS, steps=1, fp32=EagerRunner(llama, "fp32"))
+
+
+def test_eager_runner_passes_the_cache_by_the_models_own_kwarg():
+    """transformers 5 takes the cache as ``cache=`` (``past_key_values=`` is deprecated, and removed in 5.40):
+    the runners call the model the way its forward spells it, and the cache fills."""
+    model = cache_kwarg_only_model()
+    ref = EagerRunner(model)
+    report = verify(ref, [JitRunner(model, backend="eager")], [[5, 17, 42]], steps=2)
+    assert report.passed, [r.failure for r in report.rows]
+    assert [k.shape[2] for k, _ in ref.cache()] == [5, 5]  # 3 prompt tokens + 2 decoded, in every layer

@@ -14,6 +14,8 @@ one* (``fresh_process=True``, the default): that is what a user gets from ``kvtr
 it, a packed fp32 program decoded at 36 tokens/s against 45-46 in a fresh process (round 1's
 bench notes). The worker process loads the artifact, warms up, runs the same greedy generations and
 reports its own peak RSS. HF and jit backends run in this process (they need the model object).
+
+The tables (rich, Markdown) and the plot of a result are in ``kvtrace.tools.bench_render``.
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ from typing import Any
 import torch
 
 from kvtrace._errors import UsageError
+from kvtrace.tools.bench_render import COLUMNS, plot, render, render_markdown
 
-__all__ = ["BenchResult", "measure_bandwidth", "run_bench"]
+__all__ = ["COLUMNS", "BenchResult", "measure_bandwidth", "plot", "render", "render_markdown", "run_bench"]
 
 BACKENDS = ("hf-eager", "hf-compile", "jit", "exported", "aoti", "aoti-packed")
 ARTIFACT_BACKENDS = ("exported", "aoti", "aoti-packed")  # measured in a fresh process by default
@@ -396,82 +399,6 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
         "torch": torch.__version__,
         "results": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in results],
     }
-
-
-COLUMNS = ("backend", "dtype", "prompt", "compile s", "prefill ms", "decode tok/s", "x hf-eager", "of bound",
-           "peak RSS MiB", "recompiles", "tokens = eager", "measured in")
-
-
-def _rows(data: dict[str, Any]) -> list[tuple[list[str], str]]:
-    """(cells, error) per result, cells in ``COLUMNS`` order (blank but the first three for an error)."""
-    out = []
-    for r in data["results"]:
-        head = [r["backend"], r["dtype"], str(r["prompt_len"])]
-        if r["error"]:
-            out.append((head + [""] * (len(COLUMNS) - 3), r["error"]))
-            continue
-        lo, hi = r["decode_tok_s_range"]
-        out.append(([
-            *head, f"{r['compile_s']:.1f}", f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.1f} ({lo:.1f}-{hi:.1f})",
-            f"{r['vs_hf_eager']:.2f}" if r["vs_hf_eager"] else "",
-            f"{r['bound_fraction']:.2f}" if r["bound_fraction"] is not None else "", f"{r['peak_rss_mib']:.0f}",
-            str(r["recompiles"]), "yes" if r["tokens_match_eager"] else f"no (at {r['first_mismatch']})",
-            r.get("measured_in", "this process"),
-        ], ""))
-    return out
-
-
-def _title(data: dict[str, Any]) -> str:
-    return f"kvtrace bench (read bandwidth {data['bandwidth_gb_s']} GB/s, {data['threads']} threads)"
-
-
-def render(data: dict[str, Any]) -> Any:
-    """A rich Table (for a terminal)."""
-    from rich.table import Table
-
-    t = Table(title=_title(data))
-    for col in COLUMNS:
-        t.add_column(col)
-    for cells, error in _rows(data):
-        if error:
-            cells = [*cells[:3], "", "", f"[red]{error[:60]}[/red]", *cells[6:]]
-        t.add_row(*cells)
-    return t
-
-
-def render_markdown(data: dict[str, Any]) -> str:
-    """The same table as Markdown text, full width: for logs and pipes, where a terminal table truncates."""
-    lines = [_title(data), "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for cells, error in _rows(data):
-        if error:
-            cells = [*cells[:3], f"error: {error}".replace("|", "/"), *cells[4:]]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(data: dict[str, Any], path: str | Path) -> None:
-    """PNG: decode tokens/s against context position, one line per backend and dtype."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise UsageError("--plot needs matplotlib: pip install matplotlib") from e
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for r in data["results"]:
-        if r["position_sweep"]:
-            xs, ys = zip(*r["position_sweep"], strict=True)
-            ax.plot(xs, ys, marker="o", label=f"{r['backend']} {r['dtype']}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context position")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title(f"kvtrace bench ({data['threads']} threads, read bandwidth {data['bandwidth_gb_s']} GB/s)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def run_cli_bench(args: Any, ui: Any) -> int:

@@ -1,15 +1,15 @@
 """verify: compare candidates against the eager model, step by step, logits AND cache contents.
 
-Every runner speaks one small protocol (``Runner``): reset, prefill (token ids plus the named
-inputs of a prompt, e.g. a vision decoder's ``cross_attention_states``), decode, and ``cache()`` —
-the valid part of every layer's K and V: ``[B, H_kv, P, D]`` for self-attention layers,
+Every runner speaks one small protocol (``Runner``, in ``kvtrace.tools.runners``): reset, prefill
+(token ids plus the named inputs of a prompt, e.g. a vision decoder's ``cross_attention_states``),
+decode, and ``cache()`` — the valid part of every layer's K and V: ``[B, H_kv, P, D]`` for self-attention layers,
 ``[B, H_kv, N, D]`` for cross-attention layers holding N image tokens, None for a layer that holds
 nothing (a cross-attention layer in a text-only run, as eager leaves it). The harness feeds the reference's
 greedy token to every runner (teacher forcing), so one early error cannot hide later ones, and
 records per step: logits max abs / max rel error, top-1 agreement, and per layer the max abs
-error of K and V. Pass/fail uses the per-dtype tolerances of ``_tolerances``; a NaN anywhere fails.
+error of K and V. Pass/fail uses the per-dtype tolerances of ``kvtrace.spec.tolerances``; a NaN anywhere fails.
 For bf16/fp16, an optional fp32 reference (the same weights upcast, fed the same tokens) gives the
-second route of ``_tolerances``: a candidate further from eager than the tolerance still passes a
+second route of ``kvtrace.spec.tolerances``: a candidate further from eager than the tolerance still passes a
 tensor if it is no further from fp32 than eager itself is (+ tolerance); rows record both errors.
 
 A failing row says what failed, cache first (the earliest layer whose K or V is off, with the first
@@ -22,155 +22,18 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from kvtrace.spec.tolerances import Tolerance, judge, max_abs_diff, tolerance_for
+from kvtrace.tools.runners import EagerRunner, JitRunner, LayerKV, Prompt, Runner, SessionRunner, Unavailable
 
-__all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "VerifyReport", "verify"]
-
-LayerKV = tuple[torch.Tensor, torch.Tensor] | None  # (K, V) of one layer; None: the layer holds nothing
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """Token ids ``[B, T]`` (or ``[T]``) and the named prefill inputs that go with them (e.g. an image)."""
-
-    tokens: Any
-    inputs: Mapping[str, torch.Tensor] = field(default_factory=dict)
-
-
-class Runner(Protocol):
-    name: str
-
-    def reset(self) -> None: ...
-    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor: ...  # [B, T] -> [B, T, V]
-    def decode(self, token: torch.Tensor) -> torch.Tensor: ...  # [B, 1] -> [B, 1, V]
-    def cache(self) -> list[LayerKV]: ...  # per layer ([B,H,P,D], [B,H,P,D]) or None
-
-
-class EagerRunner:
-    """The reference: the HF model called eagerly with a DynamicCache.
-
-    For a vision decoder (MllamaForCausalLM) a prompt's ``cross_attention_states`` / 0-1
-    ``cross_attention_mask [B, T, N]`` become HF's kwargs, and every later token passes the mask row of
-    the prompt's last token again, as HF ``generate`` does.
-    """
-
-    def __init__(self, model: torch.nn.Module, name: str = "eager", call: Any = None):
-        self.name = name
-        self.model = model
-        self._call = call or model
-        self._n_layers = model.config.get_text_config(decoder=True).num_hidden_layers
-        self.reset()
-
-    def reset(self) -> None:
-        from transformers import DynamicCache
-
-        self._cache = DynamicCache()
-        self._mask: torch.Tensor | None = None
-        self._cross_row: torch.Tensor | None = None  # [B, 1, N] 0/1: what tokens after the image see
-
-    def _step(self, tokens: torch.Tensor, cross: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
-        from kvtrace.models.mllama import hf_cross_kwargs
-
-        new = torch.ones_like(tokens)
-        self._mask = new if self._mask is None else torch.cat([self._mask, new], dim=1)
-        kwargs: dict[str, Any] = {}
-        if cross:
-            states = cross["cross_attention_states"]
-            m = cross.get("cross_attention_mask")
-            if m is None:
-                m = torch.ones(tokens.shape[0], tokens.shape[1], states.shape[1])
-            kwargs = {"cross_attention_states": states, **hf_cross_kwargs(m, states.dtype)}
-            self._cross_row = m[:, -1:]
-        elif self._cross_row is not None:
-            dtype = next(self.model.parameters()).dtype
-            kwargs = hf_cross_kwargs(self._cross_row.expand(-1, tokens.shape[1], -1), dtype)
-        with torch.inference_mode():
-            out = self._call(input_ids=tokens, attention_mask=self._mask, past_key_values=self._cache,
-                             use_cache=True, return_dict=True, **kwargs)
-        return out.logits
-
-    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
-        return self._step(tokens, inputs)
-
-    def decode(self, token: torch.Tensor) -> torch.Tensor:
-        return self._step(token)
-
-    def cache(self) -> list[LayerKV]:
-        layers = self._cache.layers
-        return [(layers[i].keys, layers[i].values) if i < len(layers) and layers[i].is_initialized else None
-                for i in range(self._n_layers)]
-
-
-class JitRunner(EagerRunner):
-    """The same HF-style calls through ``kvtrace.jit``."""
-
-    def __init__(self, model: torch.nn.Module, backend: str = "inductor", name: str | None = None):
-        from kvtrace.runtime.jit import jit
-
-        self.jm = jit(model, backend=backend)
-        super().__init__(model, name or ("jit" if backend == "inductor" else f"jit-{backend}"), call=self.jm)
-
-
-class SessionRunner:
-    """An artifact Session; its cache is read from the declared state buffers."""
-
-    def __init__(self, session: Any, name: str):
-        self.name = name
-        self.session = session
-        self.prefill_logits = getattr(session, "prefill_logits", "all")  # "last": prefill returns the last row only
-
-    def reset(self) -> None:
-        self.session.reset()
-
-    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
-        return self.session.prefill(tokens, **inputs)
-
-    def decode(self, token: torch.Tensor) -> torch.Tensor:
-        return self.session.decode(token)
-
-    def cache(self) -> list[LayerKV]:
-        """Self-attention layers: the first P positions; cross-attention layers: all N slots once a
-        program that fills them (e.g. prefill_image) ran, else None."""
-        from kvtrace.spec.cache import LayerKind
-
-        p = self.session.position
-        st = self.session.state
-        out: list[LayerKV] = []
-        for i, layer in enumerate(self.session.spec.layers):
-            k, v = st[2 * i], st[2 * i + 1]  # [B, H_kv, S or N, D]
-            if layer.kind is LayerKind.CROSS:
-                out.append((k, v) if self.session.filled else None)
-            else:
-                out.append((k[:, :, :p], v[:, :, :p]))
-        return out
-
-
-class Unavailable:
-    """A candidate that could not be built (its export or load raised): ``verify`` runs the others and
-    reports this one as an error on every step, with ``reason``."""
-
-    def __init__(self, name: str, reason: str):
-        self.name, self.reason = name, reason
-
-    def reset(self) -> None:
-        raise RuntimeError(self.reason)
-
-    def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(self.reason)
-
-    def decode(self, token: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError(self.reason)
-
-    def cache(self) -> list[LayerKV]:
-        return []
-
+__all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "Unavailable", "VerifyReport",
+           "verify"]
 
 @dataclass(frozen=True)
 class StepRow:
@@ -355,7 +218,7 @@ def verify(
 
     A ``Prompt`` carries named prefill inputs (e.g. image features) next to its token ids. ``fp32``
     (for a bf16/fp16 ``dtype`` only): the reference's model in float32, fed the same tokens, which
-    enables the reduced-precision route of ``_tolerances``."""
+    enables the reduced-precision route of ``kvtrace.spec.tolerances``."""
     from kvtrace._errors import UsageError
 
     tol = tolerance_for(dtype)
