@@ -137,6 +137,13 @@ def test_hf_layers_map_to_their_kinds_and_back():
     assert hfc.layer_pattern(cache, 4, cross=(1, 3)) == pattern
 
 
+def test_cross_layers_of_an_hf_cache_hold_images_all_together():
+    cache = _hf_cache()
+    cache.layers[3].keys = cache.layers[3].values = torch.zeros(B, H, 0, D)  # emptied: HF's test says no image
+    with pytest.raises(UsageError, match=r"layers \[1\] hold image tokens but \[3\] do not"):
+        hfc.classify(cache, (1, 3))
+
+
 def test_cache_kind_properties():
     K = hfc.CacheKind
     assert [k.stateful for k in K] == [False, True, True, True]

@@ -13,7 +13,7 @@ not even created), as eager leaves it in a text-only run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,8 @@ from kvtrace._errors import UsageError
 from kvtrace.cache.kinds import IMAGE, KindOps
 from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind
 
-__all__ = ["ACTIVE", "CROSS_EMPTY", "CROSS_FILLED", "MASK", "OPS", "CrossOps", "extra_buffers", "shared_state"]
+__all__ = ["ACTIVE", "CROSS_EMPTY", "CROSS_FILLED", "MASK", "OPS", "CrossOps", "check_hf_layers",
+           "extra_buffers", "holds_image", "shared_state"]
 
 CROSS_FILLED = "cross-filled"  # HF layer-pattern label: a cross layer holding the K/V of N_c image tokens
 CROSS_EMPTY = "cross-empty"  # HF layer-pattern label: a cross layer without image tokens
@@ -83,6 +84,25 @@ def holds_image(cache: Any, i: int) -> bool:
         return False
     layer = cache.layers[i]
     return bool(layer.is_initialized and layer.keys.numel() > 0)
+
+
+def check_hf_layers(cache: Any, cross: Collection[int]) -> None:
+    """Cross layers hold image tokens all together (with one length) or not at all, as eager leaves them."""
+    filled = [i for i in sorted(cross) if holds_image(cache, i)]
+    if not filled:
+        return
+    empty = [i for i in sorted(cross) if i not in filled]
+    if empty:
+        raise UsageError(
+            f"DynamicCache cross-attention layers {filled} hold image tokens but {empty} do not; expected all "
+            "or none. Pass a fresh DynamicCache() or the one returned by the previous call."
+        )
+    lengths = {cache.layers[i].keys.shape[-2] for i in filled}
+    if len(lengths) != 1:
+        raise UsageError(
+            f"DynamicCache cross-attention layers hold different numbers of image tokens {sorted(lengths)}; "
+            "expected one"
+        )
 
 
 OPS = CrossOps()

@@ -34,7 +34,7 @@ from kvtrace._errors import UnsupportedError, UsageError
 from kvtrace.cache import kinds
 from kvtrace.cache.cross import CROSS_EMPTY as CROSS_EMPTY
 from kvtrace.cache.cross import CROSS_FILLED as CROSS_FILLED
-from kvtrace.cache.cross import holds_image
+from kvtrace.cache.cross import check_hf_layers
 from kvtrace.cache.full import SELF as SELF
 from kvtrace.cache.kinds import IMAGE as IMAGE
 from kvtrace.cache.kinds import PAST as PAST
@@ -113,7 +113,7 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
                 f"DynamicCache with layer types {sorted(set(bad))} is not supported (e.g. sliding-window); "
                 f"kvtrace supports {SUPPORTED}. Pass fallback='eager' to run such calls uncompiled."
             )
-        _check_cross_layers(cache, cross)
+        check_hf_layers(cache, cross)
         what = "self-attention layers" if cross else "layers"
         own = [layer for i, layer in enumerate(cache.layers) if i not in cross]
         filled = [layer.is_initialized for layer in own]
@@ -142,25 +142,6 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
             )
         return CacheKind.STATIC
     raise UnsupportedError(f"cache of type {type(cache).__name__} is not supported; kvtrace supports {SUPPORTED}")
-
-
-def _check_cross_layers(cache: Any, cross: Collection[int]) -> None:
-    """Cross layers hold image tokens all together (with one length) or not at all, as eager leaves them."""
-    filled = [i for i in sorted(cross) if holds_image(cache, i)]
-    if not filled:
-        return
-    empty = [i for i in sorted(cross) if i not in filled]
-    if empty:
-        raise UsageError(
-            f"DynamicCache cross-attention layers {filled} hold image tokens but {empty} do not; expected all "
-            "or none. Pass a fresh DynamicCache() or the one returned by the previous call."
-        )
-    lengths = {cache.layers[i].keys.shape[-2] for i in filled}
-    if len(lengths) != 1:
-        raise UsageError(
-            f"DynamicCache cross-attention layers hold different numbers of image tokens {sorted(lengths)}; "
-            "expected one"
-        )
 
 
 def layer_kinds(n_layers: int, cross: Collection[int]) -> tuple[kinds.KindOps, ...]:

@@ -377,7 +377,6 @@ def _causal_slice_waiver(key: CallKey, past: set[int]) -> Callable[[Any], bool] 
     return waived
 
 
-
 def jit(model: torch.nn.Module, *, backend: str = "inductor", fallback: str | None = None) -> JittedModel:
     """Compile ``model.forward`` for HF-style calls with a KV cache.
 

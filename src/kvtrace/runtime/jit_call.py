@@ -77,7 +77,6 @@ def _written(key: CallKey) -> tuple[int, ...]:
     return hfc.written_layers(key.cache, key.layers, "cross_attention_states" in key.inputs)
 
 
-
 def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
     """The prologue: a JittedModel ``jm``'s reading of one call (``CallKey``, tensors, cache), validated."""
     if "cache" in kwargs and "past_key_values" in kwargs:
@@ -183,6 +182,7 @@ def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
     return _Call(key=key, tensors=tensors, cache=cache, return_dict=bool(return_dict), past_len=past,
                  weights=weights, cross_len=cross_len)
 
+
 def _check_dynamic_layers(jm: Any, cache: Any, kind: CacheKind) -> None:
     """A filled DynamicCache has a layer per model layer; only trailing cross layers may not exist yet
     (eager creates layers lazily and skips cross layers without image tokens)."""
@@ -190,6 +190,7 @@ def _check_dynamic_layers(jm: Any, cache: Any, kind: CacheKind) -> None:
     missing = [i for i in range(n, jm._n_layers) if i not in jm._cross]
     if kind.filled and (n > jm._n_layers or missing):
         raise UsageError(f"cache has {n} layers, the model has {jm._n_layers}")
+
 
 def _hidden_size(model: torch.nn.Module) -> int:
     cfg = model.config
@@ -215,6 +216,7 @@ def arg_shapes(call: _Call, n_layers: int, n_kv: int, head_dim: int) -> list[tor
             shapes += [kv, kv, torch.Size(())] * n_layers
     return shapes
 
+
 def arg_names(key: CallKey, n_layers: int) -> list[str]:
     """One description per program argument, for messages."""
     names = list(key.inputs)
@@ -224,6 +226,7 @@ def arg_names(key: CallKey, n_layers: int) -> list[str]:
         names += [f"cache layer {i} {t}" for i in range(n_layers)
                   for t in ("keys", "values", "cumulative_length")]
     return names
+
 
 def cache_dtype(call: _Call) -> torch.dtype:
     """The dtype of the call's cache state, as the key holds it (``CallKey.dtypes[-1]``): an initialized

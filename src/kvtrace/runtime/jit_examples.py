@@ -23,7 +23,8 @@ _T_EX, _P_EX, _N_EX, _NC_EX = 3, 5, 7, 11
 _T_CAUSAL_EX = 19
 
 
-def examples(call: _Call, exact: bool, n_layers: int, n_kv: int, head_dim: int) -> tuple[list[torch.Tensor], list[Any]]:
+def examples(call: _Call, exact: bool, n_layers: int, n_kv: int,
+             head_dim: int) -> tuple[list[torch.Tensor], list[Any]]:
     """Synthetic example inputs (never the caller's tensors) and their dynamic-shape spec."""
     from torch.export import Dim
 
