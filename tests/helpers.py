@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import gguf
+import numpy as np
 import torch
 import transformers as tf
 
+from conftest import CHATML
 from kvtrace.spec.tolerances import close, tolerance_for
 
 
@@ -31,3 +36,77 @@ def cache_kwarg_only_model() -> CacheKwargOnlyLlama:
 
     torch.manual_seed(0)
     return CacheKwargOnlyLlama(tf.LlamaConfig(**TINY)).eval().requires_grad_(False)
+
+
+def write_gguf(
+    path: Path, arch: str = "llama", *, vocab: int = 8, hidden: int = 64, layers: int = 2,
+    tensors: str | None = None, template: str = CHATML, padding: int = 0, raw: dict | None = None,
+) -> Path:
+    """A tiny random GGUF labelled ``arch`` holding the tensors of architecture ``tensors`` (default:
+    ``arch``), complete enough for transformers to load. ``padding``: bytes of a description written
+    before the chat template (pushes it deep into the metadata); ``raw``: extra tensors {name: array}."""
+    rng = np.random.default_rng(0)
+    heads, kv_heads, inter = 4, 2, 128
+    tensors = tensors or arch
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny")
+    if padding:
+        w.add_description("x" * padding)
+    w.add_block_count(layers)
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(hidden // heads)
+    # transformers reads no head_dim from a qwen3 GGUF: Qwen3Config's 128 (that of every Qwen3) applies
+    head_dim = 128 if tensors == "qwen3" else hidden // heads
+    if tensors == "qwen3":
+        w.add_key_length(head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(["<unk>", "<s>", "</s>", "a", "b", "ab", "Ġ", "c"][:vocab])
+    w.add_token_types([3, 3, 3, 1, 1, 1, 1, 1][:vocab])
+    w.add_token_merges(["a b"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(template)
+
+    def rand(name: str, *shape: int) -> None:  # numpy shape is HF's [out, in]; GGUF stores dims reversed
+        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+
+    rand("token_embd.weight", vocab, hidden)  # no output.weight: lm_head is tied to the embedding
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    q, kv = heads * head_dim, kv_heads * head_dim
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        if tensors == "phi3":  # fused q/k/v and gate/up
+            rand(f"blk.{i}.attn_qkv.weight", q + 2 * kv, hidden)
+            rand(f"blk.{i}.ffn_up.weight", 2 * inter, hidden)
+        else:
+            rand(f"blk.{i}.attn_q.weight", q, hidden)
+            rand(f"blk.{i}.attn_k.weight", kv, hidden)
+            rand(f"blk.{i}.attn_v.weight", kv, hidden)
+            rand(f"blk.{i}.ffn_gate.weight", inter, hidden)
+            rand(f"blk.{i}.ffn_up.weight", inter, hidden)
+        if tensors == "qwen2":
+            rand(f"blk.{i}.attn_q.bias", q)
+            rand(f"blk.{i}.attn_k.bias", kv)
+            rand(f"blk.{i}.attn_v.bias", kv)
+        if tensors == "qwen3":
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
+        rand(f"blk.{i}.attn_output.weight", hidden, q)
+        rand(f"blk.{i}.ffn_down.weight", hidden, inter)
+    for name, array in (raw or {}).items():
+        w.add_tensor(name, array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

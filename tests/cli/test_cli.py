@@ -428,11 +428,10 @@ def test_generate_rebuilds_a_corrupt_cached_artifact_with_a_notice(hf_dir, capsy
 
 
 def test_mislabelled_gguf_is_one_line_exit_2_and_nothing_is_cached(tmp_path, capsys):
-    from test_sources import _write_gguf
-
+    from helpers import write_gguf
     from kvtrace.sources.store import list_cache
 
-    path = _write_gguf(tmp_path / "m.gguf", "qwen2", tensors="llama")  # old code: exit 0, zero biases cached
+    path = write_gguf(tmp_path / "m.gguf", "qwen2", tensors="llama")  # old code: exit 0, zero biases cached
     assert _code(["export", str(path), "-o", str(tmp_path / "m.kvt"), "--max-seq-len", "32"]) == 2
     line = _only_line(capsys)
     assert "'qwen2'" in line and "missing blk.0.attn_q.bias" in line and "'llama' model" in line

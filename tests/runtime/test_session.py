@@ -377,3 +377,36 @@ def test_every_tensor_a_program_gets_lives_on_the_sessions_device():
     s.decode(torch.tensor([[4]]))
     assert seen and set(seen) == {"meta"}, seen
     assert s.position == 4
+
+
+def test_an_omitted_optional_input_is_built_on_the_sessions_device(monkeypatch):
+    """The default of an optional named input is made on the state's device, not on the CPU and copied."""
+    from kvtrace.runtime import session as session_mod
+    from kvtrace.runtime.session import Session
+    from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
+    from kvtrace.spec.program import InputSpec, ProgramSpec
+
+    made: list[str] = []
+    full = torch.full
+
+    def recording_full(*a, **kw):
+        t = full(*a, **kw)
+        made.append(str(t.device))
+        return t
+
+    monkeypatch.setattr(session_mod.torch, "full", recording_full)
+    seen: list[str] = []
+
+    def program(*args):
+        seen.extend(str(a.device) for a in args)
+        return torch.empty(1, args[0].shape[1], 4, device="meta")
+
+    spec = CacheSpec(layers=(LayerSpec(LayerKind.FULL, 1, 2, 8),), batch_size=1, max_seq_len=8, dtype="float32")
+    image = ProgramSpec("prefill_image", method="forward_image", once=True, inputs=(
+        InputSpec("mask", ("B", "T", 3), "float32", binary=True),
+        InputSpec("extra_mask", ("B", "T", 3), "float32", default=1.0, binary=True),
+    ))
+    s = Session(spec, program, program, device="meta", extra={"prefill_image": (image, program)})
+    made.clear()  # the state's own allocation
+    s.prefill([[1, 2]], mask=torch.ones(1, 2, 3, dtype=torch.bool, device="meta"))
+    assert made == ["meta"] and set(seen) == {"meta"}, (made, seen)

@@ -14,6 +14,7 @@ import tokenizers
 import torch
 
 from conftest import CHATML, make_tiny_hf_dir
+from helpers import write_gguf
 from kvtrace._errors import SourceError, UnsupportedError, UsageError
 from kvtrace.sources import gguf as _gguf
 from kvtrace.sources import resolve as _sources
@@ -31,80 +32,6 @@ def _isolated_cache(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def default_gguf() -> Path:
     return resolve_source(None).path
-
-
-def _write_gguf(
-    path: Path, arch: str = "llama", *, vocab: int = 8, hidden: int = 64, layers: int = 2,
-    tensors: str | None = None, template: str = CHATML, padding: int = 0, raw: dict | None = None,
-) -> Path:
-    """A tiny random GGUF labelled ``arch`` holding the tensors of architecture ``tensors`` (default:
-    ``arch``), complete enough for transformers to load. ``padding``: bytes of a description written
-    before the chat template (pushes it deep into the metadata); ``raw``: extra tensors {name: array}."""
-    rng = np.random.default_rng(0)
-    heads, kv_heads, inter = 4, 2, 128
-    tensors = tensors or arch
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny")
-    if padding:
-        w.add_description("x" * padding)
-    w.add_block_count(layers)
-    w.add_context_length(64)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(inter)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_rope_dimension_count(hidden // heads)
-    # transformers reads no head_dim from a qwen3 GGUF: Qwen3Config's 128 (that of every Qwen3) applies
-    head_dim = 128 if tensors == "qwen3" else hidden // heads
-    if tensors == "qwen3":
-        w.add_key_length(head_dim)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(["<unk>", "<s>", "</s>", "a", "b", "ab", "Ġ", "c"][:vocab])
-    w.add_token_types([3, 3, 3, 1, 1, 1, 1, 1][:vocab])
-    w.add_token_merges(["a b"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_chat_template(template)
-
-    def rand(name: str, *shape: int) -> None:  # numpy shape is HF's [out, in]; GGUF stores dims reversed
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
-
-    rand("token_embd.weight", vocab, hidden)  # no output.weight: lm_head is tied to the embedding
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    q, kv = heads * head_dim, kv_heads * head_dim
-    for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        if tensors == "phi3":  # fused q/k/v and gate/up
-            rand(f"blk.{i}.attn_qkv.weight", q + 2 * kv, hidden)
-            rand(f"blk.{i}.ffn_up.weight", 2 * inter, hidden)
-        else:
-            rand(f"blk.{i}.attn_q.weight", q, hidden)
-            rand(f"blk.{i}.attn_k.weight", kv, hidden)
-            rand(f"blk.{i}.attn_v.weight", kv, hidden)
-            rand(f"blk.{i}.ffn_gate.weight", inter, hidden)
-            rand(f"blk.{i}.ffn_up.weight", inter, hidden)
-        if tensors == "qwen2":
-            rand(f"blk.{i}.attn_q.bias", q)
-            rand(f"blk.{i}.attn_k.bias", kv)
-            rand(f"blk.{i}.attn_v.bias", kv)
-        if tensors == "qwen3":
-            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
-            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
-        rand(f"blk.{i}.attn_output.weight", hidden, q)
-        rand(f"blk.{i}.ffn_down.weight", hidden, inter)
-    for name, array in (raw or {}).items():
-        w.add_tensor(name, array)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 def _patch_tensor(path: Path, name: str, *, ggml_type: int | None = None, offset: int | None = None) -> None:
@@ -162,7 +89,7 @@ def test_directory_with_config_but_no_safetensors_is_not_a_model(tmp_path):
 
 
 def test_directory_holding_a_gguf_hints_at_the_file(tmp_path):
-    _write_gguf(tmp_path / "m.gguf")
+    write_gguf(tmp_path / "m.gguf")
     with pytest.raises(SourceError, match="pass the file itself"):
         resolve_source(tmp_path)
 
@@ -192,7 +119,7 @@ def test_truncated_gguf_is_rejected(tmp_path, default_gguf, keep):
 
 
 def test_other_architecture_is_unsupported(tmp_path):
-    path = _write_gguf(tmp_path / "gpt.gguf", arch="gpt2")
+    path = write_gguf(tmp_path / "gpt.gguf", arch="gpt2")
     with pytest.raises(UnsupportedError) as info:
         resolve_source(path)
     msg = str(info.value)
@@ -200,12 +127,12 @@ def test_other_architecture_is_unsupported(tmp_path):
 
 
 def test_tiny_llama_gguf_resolves(tmp_path):
-    path = _write_gguf(tmp_path / "tiny.gguf")
+    path = write_gguf(tmp_path / "tiny.gguf")
     src = resolve_source(str(path))
     assert (src.kind, src.path, src.name) == ("gguf", path, "tiny") and type(src) is ModelSource
     assert len(src.digest) == 16 and set(src.digest) <= set("0123456789abcdef"), src.digest  # 16 hex digits
     assert resolve_source(path).digest == src.digest  # stable
-    _write_gguf(path, hidden=32)  # different content -> different key
+    write_gguf(path, hidden=32)  # different content -> different key
     assert resolve_source(path).digest != src.digest
 
 
@@ -240,7 +167,7 @@ def test_each_architecture_with_its_own_tensors_converts_completely(arch, tmp_pa
     """The tensor table kvtrace checks against is what transformers' converter needs: nothing missing."""
     from gguf.constants import MODEL_ARCH_NAMES
 
-    path = _write_gguf(tmp_path / f"{arch}.gguf", arch)
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch)
     if arch not in MODEL_ARCH_NAMES.values():  # "mistral" with gguf 0.19: the old code died in transformers
         with pytest.raises(UnsupportedError, match=rf"architecture '{arch}', which the installed gguf package"):
             resolve_source(path)
@@ -263,7 +190,7 @@ def test_each_architecture_with_its_own_tensors_converts_completely(arch, tmp_pa
     ],
 )
 def test_gguf_whose_tensors_do_not_match_its_label_is_refused_before_conversion(label, tensors, expected, tmp_path):
-    path = _write_gguf(tmp_path / "m.gguf", label, tensors=tensors)
+    path = write_gguf(tmp_path / "m.gguf", label, tensors=tensors)
     with pytest.raises(SourceError, match=expected) as e:
         resolve_source(path)
     assert "\n" not in str(e.value) and "convert_hf_to_gguf.py" in str(e.value)
@@ -274,11 +201,11 @@ def test_gguf_whose_tensors_do_not_match_its_label_is_refused_before_conversion(
 
 def test_gguf_with_a_wrongly_sized_tensor_is_refused(tmp_path):
     path = tmp_path / "m.gguf"
-    _write_gguf(path, raw={"blk.2.attn_q.weight": np.zeros((64, 64), np.float32)})  # a block the count lacks
+    write_gguf(path, raw={"blk.2.attn_q.weight": np.zeros((64, 64), np.float32)})  # a block the count lacks
     with pytest.raises(SourceError, match=r"unexpected blk\.2\.attn_q\.weight"):
         resolve_source(path)
     wide = np.zeros((8, 72), np.float32)  # output.weight [V, h] with h = 72 != embedding_length 64
-    _write_gguf(path, raw={"output.weight": wide})
+    write_gguf(path, raw={"output.weight": wide})
     with pytest.raises(SourceError, match=r"wrong shape output\.weight \[72, 8\] \(expected \[64, 8\]\)"):
         resolve_source(path)
 
@@ -307,7 +234,7 @@ def test_gguf_without_sizing_metadata_is_refused(tmp_path):
     ],
 )
 def test_gguf_with_a_valid_header_but_bad_tensors_is_a_source_error(patch, expected, tmp_path):
-    path = _write_gguf(tmp_path / "m.gguf")
+    path = write_gguf(tmp_path / "m.gguf")
     _patch_tensor(path, "blk.1.ffn_down.weight", **patch)
     with pytest.raises(SourceError, match=expected):
         load_model(path)
@@ -315,7 +242,7 @@ def test_gguf_with_a_valid_header_but_bad_tensors_is_a_source_error(patch, expec
 
 
 def test_gguf_with_truncated_tensor_data_is_a_source_error(tmp_path):
-    path = _write_gguf(tmp_path / "m.gguf")
+    path = write_gguf(tmp_path / "m.gguf")
     path.write_bytes(path.read_bytes()[:-100])  # header intact, the last tensor cut short
     with pytest.raises(SourceError, match=r"corrupt.*blk\.1\.ffn_down\.weight ends at byte"):
         resolve_source(path)
@@ -323,7 +250,7 @@ def test_gguf_with_truncated_tensor_data_is_a_source_error(tmp_path):
 
 def test_gguf_whose_values_are_not_finite_is_not_cached(tmp_path):
     nan = np.full((64, 8), np.nan, np.float32)  # output.weight [V, h] = NaN: a broken quantization
-    path = _write_gguf(tmp_path / "m.gguf", raw={"output.weight": nan.T.copy()})
+    path = write_gguf(tmp_path / "m.gguf", raw={"output.weight": nan.T.copy()})
     with pytest.raises(SourceError, match=r"non-finite values.*lm_head\.weight.*nothing was cached"):
         load_model(path)
     assert list_cache() == []
@@ -337,7 +264,7 @@ def test_conversion_errors_inside_transformers_are_source_errors(tmp_path, monke
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
     with pytest.raises(SourceError, match=r"could not convert .*AssertionError: Padding_idx.*convert_hf_to_gguf"):
-        load_model(_write_gguf(tmp_path / "m.gguf"))
+        load_model(write_gguf(tmp_path / "m.gguf"))
     assert list_cache() == []
 
 
@@ -376,11 +303,11 @@ def test_digest_sees_a_template_edit_that_keeps_size_and_mtime(tmp_path):
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert resolve_source(tmp_path).digest != before
 
-    g = _write_gguf(tmp_path / "big.gguf", padding=9 << 20, template=CHATML)
+    g = write_gguf(tmp_path / "big.gguf", padding=9 << 20, template=CHATML)
     st = g.stat()
     assert st.st_size > 9 << 20
     before = resolve_source(g).digest
-    _write_gguf(g, padding=9 << 20, template=CHATML.replace("assistant", "ASSISTANT"))
+    write_gguf(g, padding=9 << 20, template=CHATML.replace("assistant", "ASSISTANT"))
     os.utime(g, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert g.stat().st_size == st.st_size and resolve_source(g).digest != before
 
@@ -427,7 +354,7 @@ def test_hf_dir_in_bfloat16(tiny_hf_dir):
 def test_gguf_load_caches_converted_weights(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    path = _write_gguf(tmp_path / "tiny.gguf")
+    path = write_gguf(tmp_path / "tiny.gguf")
     first = load_model(str(path))
     assert not first.cache_hit
     assert first.chat_template == CHATML and first.bos_id == 1 and first.eos_ids == (2,)
@@ -453,7 +380,7 @@ def test_gguf_load_caches_converted_weights(tmp_path):
 
 
 def test_damaged_cache_entry_is_rebuilt(tmp_path):
-    path = _write_gguf(tmp_path / "tiny.gguf")
+    path = write_gguf(tmp_path / "tiny.gguf")
     entry = cache_dir() / "models" / load_model(path).source.digest
     (entry / "model.safetensors").write_bytes(b"broken")
     lm = load_model(path)
@@ -469,7 +396,7 @@ def test_crash_while_writing_leaves_no_entry(tmp_path, monkeypatch):
 
     monkeypatch.setattr(safetensors.torch, "save_file", boom)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        load_model(_write_gguf(tmp_path / "tiny.gguf"))
+        load_model(write_gguf(tmp_path / "tiny.gguf"))
     assert list((cache_dir() / "models").iterdir()) == []
 
 

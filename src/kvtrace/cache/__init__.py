@@ -1,7 +1,13 @@
 """Cache kinds: what a cache layer of each ``LayerKind`` holds and how it is read and written.
 
-``hf`` maps transformers' cache objects (DynamicCache, StaticCache, EncoderDecoderCache) to and from
-the CacheSpec's tensors.
+``kinds`` (the ``KindOps`` protocol and the lookup ``ops(kind)`` / ``kind_of(layer_spec)``), one module per
+kind: ``full`` (self-attention, one slot per position), ``cross`` (cross-attention to N image tokens,
+filled once by the image prefill, and the ``cross.mask``/``cross.active`` state its layers share). Each
+says its buffers, how a program writes it, which slots are valid at a position, whether rewind is defined,
+whether decode writes it, and how a transformers cache layer of that kind maps to it. ``hf`` maps
+transformers' cache objects (DynamicCache, StaticCache, EncoderDecoderCache) to and from flat tensors,
+asking the kinds about each layer. Adding a kind: a module defining ``OPS`` and one line in
+``kinds._MODULES``.
 
 May import: ``spec``.
 """

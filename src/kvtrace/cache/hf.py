@@ -31,7 +31,15 @@ from typing import Any
 import torch
 
 from kvtrace._errors import UnsupportedError, UsageError
+from kvtrace.cache import kinds
+from kvtrace.cache.cross import CROSS_EMPTY as CROSS_EMPTY
+from kvtrace.cache.cross import CROSS_FILLED as CROSS_FILLED
+from kvtrace.cache.cross import check_hf_layers
+from kvtrace.cache.full import SELF as SELF
+from kvtrace.cache.kinds import IMAGE as IMAGE
+from kvtrace.cache.kinds import PAST as PAST
 from kvtrace.spec import config as hfconfig
+from kvtrace.spec.cache import LayerKind
 
 SUPPORTED = (
     "transformers.DynamicCache with full-attention layers (fresh or filled), "
@@ -45,11 +53,34 @@ class CacheKind(enum.StrEnum):
     DYNAMIC = "dynamic"  # DynamicCache holding P >= 1 past tokens
     STATIC = "static"  # StaticCache (initialized or not)
 
+    @property
+    def stateful(self) -> bool:
+        """The call carries a cache (use_cache=True)."""
+        return self is not CacheKind.NONE
 
-# Per-layer cache states (a program's layer pattern).
-SELF = "self"  # self-attention layer: holds P past tokens (DYNAMIC) or nothing yet (DYNAMIC_FRESH)
-CROSS_FILLED = "cross-filled"  # cross-attention layer holding the K/V of N_c image tokens
-CROSS_EMPTY = "cross-empty"  # cross-attention layer without image tokens (uninitialized or not created)
+    @property
+    def dynamic(self) -> bool:
+        """A DynamicCache (fresh or filled): the program takes the held layers' K/V and returns the written ones."""
+        return self in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH)
+
+    @property
+    def static(self) -> bool:
+        """A StaticCache: ``[k, v, cumulative_length]`` per layer, mutated in place, S_max a static size."""
+        return self is CacheKind.STATIC
+
+    @property
+    def fresh(self) -> bool:
+        """A DynamicCache holding nothing yet: P = 0 is no tensor size of the program."""
+        return self is CacheKind.DYNAMIC_FRESH
+
+    @property
+    def filled(self) -> bool:
+        """A DynamicCache holding P >= 1 past tokens: P is a symbolic size of the held self layers."""
+        return self is CacheKind.DYNAMIC
+
+
+# Per-layer cache states (a program's layer pattern): SELF (a FULL layer: P past tokens, or none yet),
+# CROSS_FILLED / CROSS_EMPTY (a CROSS layer with or without image tokens). Each kind module defines its own.
 
 
 def cache_kwarg_name(model: torch.nn.Module) -> str:
@@ -83,7 +114,7 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
                 f"DynamicCache with layer types {sorted(set(bad))} is not supported (e.g. sliding-window); "
                 f"kvtrace supports {SUPPORTED}. Pass fallback='eager' to run such calls uncompiled."
             )
-        _check_cross_layers(cache, cross)
+        check_hf_layers(cache, cross)
         what = "self-attention layers" if cross else "layers"
         own = [layer for i, layer in enumerate(cache.layers) if i not in cross]
         filled = [layer.is_initialized for layer in own]
@@ -114,53 +145,35 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
     raise UnsupportedError(f"cache of type {type(cache).__name__} is not supported; kvtrace supports {SUPPORTED}")
 
 
-def _holds_image(cache: Any, i: int) -> bool:
-    """Whether layer ``i`` holds image K/V: HF's own test (``_has_cached_cross_attention_states``)."""
-    if cache is None or i >= len(cache.layers):
-        return False
-    layer = cache.layers[i]
-    return bool(layer.is_initialized and layer.keys.numel() > 0)
-
-
-def _check_cross_layers(cache: Any, cross: Collection[int]) -> None:
-    """Cross layers hold image tokens all together (with one length) or not at all, as eager leaves them."""
-    filled = [i for i in sorted(cross) if _holds_image(cache, i)]
-    if not filled:
-        return
-    empty = [i for i in sorted(cross) if i not in filled]
-    if empty:
-        raise UsageError(
-            f"DynamicCache cross-attention layers {filled} hold image tokens but {empty} do not; expected all "
-            "or none. Pass a fresh DynamicCache() or the one returned by the previous call."
-        )
-    lengths = {cache.layers[i].keys.shape[-2] for i in filled}
-    if len(lengths) != 1:
-        raise UsageError(
-            f"DynamicCache cross-attention layers hold different numbers of image tokens {sorted(lengths)}; "
-            "expected one"
-        )
+def layer_kinds(n_layers: int, cross: Collection[int]) -> tuple[kinds.KindOps, ...]:
+    """The kind of each model layer: CROSS for the cross-attention layers, FULL for the others."""
+    return tuple(kinds.ops(LayerKind.CROSS if i in cross else LayerKind.FULL) for i in range(n_layers))
 
 
 def layer_pattern(cache: Any, n_layers: int, cross: Collection[int]) -> tuple[str, ...]:
-    """Per model layer: ``SELF``, ``CROSS_FILLED`` or ``CROSS_EMPTY`` (a layer the cache lacks counts as empty)."""
-    return tuple(SELF if i not in cross else CROSS_FILLED if _holds_image(cache, i) else CROSS_EMPTY
-                 for i in range(n_layers))
+    """Per model layer, its kind's label: ``SELF``, ``CROSS_FILLED`` or ``CROSS_EMPTY`` (a layer the cache
+    lacks counts as empty)."""
+    return tuple(k.hf_label(cache, i) for i, k in enumerate(layer_kinds(n_layers, cross)))
+
+
+def length_of(label: str) -> str | None:
+    """What the S dimension of a held layer with this label counts: ``PAST``, ``IMAGE``, or None (not held)."""
+    return kinds.ops_for_label(label).hf_length(label)
 
 
 def held_layers(kind: CacheKind, pattern: tuple[str, ...]) -> tuple[int, ...]:
     """Layers whose K/V are program inputs: self layers of a filled cache, cross layers holding image tokens."""
-    if kind not in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+    if not kind.dynamic:
         return ()
-    return tuple(i for i, s in enumerate(pattern)
-                 if s == CROSS_FILLED or (s == SELF and kind is CacheKind.DYNAMIC))
+    return tuple(i for i, s in enumerate(pattern) if kinds.ops_for_label(s).hf_held(s, kind.filled))
 
 
 def written_layers(kind: CacheKind, pattern: tuple[str, ...], image: bool) -> tuple[int, ...]:
     """Layers whose K/V a program returns: every self layer (it grows by T); cross layers only when the call
     brings new image features (``image``), which eager appends to them; otherwise they are only read."""
-    if kind not in (CacheKind.DYNAMIC, CacheKind.DYNAMIC_FRESH):
+    if not kind.dynamic:
         return ()
-    return tuple(i for i, s in enumerate(pattern) if s == SELF or image)
+    return tuple(i for i, s in enumerate(pattern) if kinds.ops_for_label(s).hf_written(s, image))
 
 
 def new_dynamic_cache(config: Any) -> Any:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
+from kvtrace.cache import full
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.registry import Family
 from kvtrace.spec import config as hfconfig
@@ -105,8 +106,7 @@ def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos
     q = _rope(q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H, T, D]
     k = _rope(k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
     v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-    k_cache.index_copy_(2, input_pos, k)
-    v_cache.index_copy_(2, input_pos, v)
+    full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
     if key_pos is None:
         o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
     else:

@@ -35,6 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError, UsageError
+from kvtrace.cache import cross as cross_kind
+from kvtrace.cache.kinds import kind_of
 from kvtrace.models.llama import (
     LlamaArgs,
     _Layer,
@@ -47,7 +49,7 @@ from kvtrace.models.llama import (
 )
 from kvtrace.models.registry import Family
 from kvtrace.spec import config as hfconfig
-from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
+from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
 from kvtrace.spec.program import InputSpec, ProgramSpec
 
 __all__ = ["DEFAULT_IMAGE_TOKENS", "FAMILY", "MllamaDecoder", "cross_mask_bias", "hf_cross_kwargs", "is_mllama",
@@ -93,8 +95,7 @@ def mllama_cache_spec(config: Any, *, max_seq_len: int, batch_size: int, dtype: 
         for i in range(cfg.num_hidden_layers)
     )
     name = str(dtype).removeprefix("torch.")
-    extra = (BufferSpec("cross.mask", (batch_size, image_tokens), name, 0.0),  # [B, N] 1 = attend
-             BufferSpec("cross.active", (1,), "int64", 0))  # 1 once image K/V are cached
+    extra = cross_kind.extra_buffers(batch_size, image_tokens, name)  # cross.mask [B, N], cross.active [1]
     return CacheSpec(layers=layers, batch_size=batch_size, max_seq_len=max_seq_len, dtype=name, extra=extra)
 
 
@@ -202,7 +203,7 @@ class MllamaDecoder(nn.Module):
         a = self.args
         b, t = tokens.shape
         dtype = self.cache_spec.torch_dtype
-        mask_row, active = state[-2], state[-1]  # [B, N], [1]
+        mask_row, active = cross_kind.shared_state(self.cache_spec, state)  # [B, N], [1]
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D]
         causal = torch.arange(self.cache_spec.max_seq_len, device=tokens.device)[None, :] <= input_pos[:, None]
@@ -214,8 +215,8 @@ class MllamaDecoder(nn.Module):
                 x = self_attention_block(a, layer, x, input_pos, cos, sin, causal, k_cache, v_cache)
             elif image is not None:
                 k, v = _image_kv(a, layer, image)
-                k_cache.copy_(k)  # [B, H_kv, N, D], read by every later token
-                v_cache.copy_(v)
+                # [B, H_kv, N, D], read by every later token
+                kind_of(self.cache_spec.layers[i]).write(k_cache, v_cache, input_pos, k, v)
                 x = _cross_block(a, layer, x, k, v, bias, row_ok)
             else:  # skipped while no image is cached, exactly as eager skips the layer
                 x = torch.where(active.bool(), _cross_block(a, layer, x, k_cache, v_cache, bias, row_ok), x)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from kvtrace._errors import CacheOverflowError, UnsupportedError, UsageError
+from kvtrace.cache.kinds import kind_of
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import InputSpec, ProgramSpec
 
@@ -137,7 +138,7 @@ class Session:
                 f"reset()); call reset() to start a conversation with new {sorted(inputs)}, or prefill text only"
             )
         t = tokens.shape[1] if tokens.dim() == 2 else 0
-        args = [_check_input(i, inputs.get(i.name), self.spec.batch_size, t, name) for i in spec.inputs]
+        args = [_check_input(i, inputs.get(i.name), self.spec.batch_size, t, name, self._device) for i in spec.inputs]
         logits = self._run(program, tokens, name, args, key_pos=spec.key_pos)
         if spec.once:
             self._filled.add(name)
@@ -217,6 +218,9 @@ class Session:
                 f"rewind is undefined for caches with extra state {[b.name for b in self.spec.extra]}; "
                 "use snapshot()/restore()"
             )
+        fixed = sorted({layer.kind.value for layer in self.spec.layers if not kind_of(layer).rewindable})
+        if fixed:
+            raise UnsupportedError(f"rewind is undefined for cache layers of kind {fixed}; use snapshot()/restore()")
         with self._exclusive("rewind"):
             if not 0 <= n <= self._pos:
                 raise UsageError(f"rewind({n}): expected 0 <= n <= position ({self._pos})")
@@ -298,11 +302,13 @@ def _as_tokens(tokens: Any, what: str) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.int64).reshape(len(rows), -1)  # [B, T]
 
 
-def _check_input(spec: InputSpec, value: torch.Tensor | None, batch: int, t: int, program: str) -> torch.Tensor:
-    """The tensor to hand the program for one declared input: shape and dtype checked, masks cast."""
+def _check_input(spec: InputSpec, value: torch.Tensor | None, batch: int, t: int, program: str,
+                 device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tensor to hand the program for one declared input: shape and dtype checked, masks cast.
+    An omitted optional input is built on ``device`` (the session's); given ones are moved there by ``_run``."""
     shape = spec.concrete(batch, t)
     if value is None:  # optional (the Session picked this program only if every required input is there)
-        return torch.full(shape, spec.default, dtype=spec.torch_dtype)
+        return torch.full(shape, spec.default, dtype=spec.torch_dtype, device=device)
     if not isinstance(value, torch.Tensor):
         raise UsageError(f"{program} input {spec.name} must be a torch.Tensor, got {type(value).__name__}")
     if tuple(value.shape) != shape:

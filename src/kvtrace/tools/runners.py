@@ -127,17 +127,14 @@ class SessionRunner:
     def cache(self) -> list[LayerKV]:
         """Self-attention layers: the first P positions; cross-attention layers: all N slots once a
         program that fills them (e.g. prefill_image) ran, else None."""
-        from kvtrace.spec.cache import LayerKind
+        from kvtrace.cache.kinds import kind_of
 
         p = self.session.position
         st = self.session.state
         out: list[LayerKV] = []
         for i, layer in enumerate(self.session.spec.layers):
             k, v = st[2 * i], st[2 * i + 1]  # [B, H_kv, S or N, D]
-            if layer.kind is LayerKind.CROSS:
-                out.append((k, v) if self.session.filled else None)
-            else:
-                out.append((k[:, :, :p], v[:, :, :p]))
+            out.append(kind_of(layer).valid(k, v, p, bool(self.session.filled)))  # the slots holding data
         return out
 
 

@@ -87,10 +87,9 @@ def _diff_programs(prog: str, a: _Capture, b: _Capture, sizes_a: str, sizes_b: s
 
 def _recapture_with(jm: Any, cap: _Capture, t_len: int, past: int) -> _Capture:
     """Capture the same program (same key) again with example lengths T=t_len, P=past."""
-    from kvtrace.cache.hf import CacheKind
 
     call = cap.call
-    if call.key.cache is CacheKind.DYNAMIC_FRESH:
+    if call.key.cache.fresh:
         past = 0
     tensors = []
     for name, t in zip(call.key.inputs, call.tensors, strict=True):

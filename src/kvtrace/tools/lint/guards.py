@@ -132,13 +132,12 @@ class _shape_log:
 # --- symbols -> roles (T, P, P+T) and the lengths a program must accept --------------------------------
 def _seq_dims(call: Any, n_layers: int) -> list[tuple[str, int, str]]:
     """(arg description, sequence dim, role) for every program argument, in program order."""
-    from kvtrace.cache.hf import CacheKind
 
     out = []
     for name, t in zip(call.key.inputs, call.tensors, strict=True):
         role = "P+T" if name == "attention_mask" else "T"
         out.append((f"{name}", jit_view.seq_dim(name) % t.dim(), role))
-    if call.key.cache is CacheKind.DYNAMIC:
+    if call.key.cache.filled:
         for i in range(2 * n_layers):
             out.append((f"cache layer {i // 2} {'keys' if i % 2 == 0 else 'values'}", 2, "P"))
     return out
@@ -154,9 +153,8 @@ def _in_class(values: tuple[int, ...], size_class: int) -> tuple[int, ...]:
 
 def _assignments(key: Any, max_len: int | None) -> list[dict[str, int]]:
     """Every (T, P) a program of ``key`` must accept: the lengths of its size classes."""
-    from kvtrace.cache.hf import CacheKind
 
-    ps = (0,) if key.cache is CacheKind.DYNAMIC_FRESH else _in_class(_P_VALUES, key.sizes[1])
+    ps = (0,) if key.cache.fresh else _in_class(_P_VALUES, key.sizes[1])
     out = []
     for t, p in itertools.product(_in_class(_T_VALUES, key.sizes[0]), ps):
         if max_len is None or t + p <= max_len:
@@ -235,13 +233,12 @@ def _check_guards(cap: _Capture, n_layers: int, max_len: int | None) -> Iterator
     """Guards, constant shapes, range constraints and runtime asserts that refuse a valid length."""
     import sympy
 
-    from kvtrace.cache.hf import CacheKind
 
     ep = cap.ep
     assert ep is not None
     prog = _program_name(cap.call)
     dims = _seq_dims(cap.call, n_layers)
-    fresh = cap.call.key.cache is CacheKind.DYNAMIC_FRESH
+    fresh = cap.call.key.cache.fresh
     assignments = _assignments(cap.call.key, max_len)
     # roles a size class holds at one value (T = 1, P = 1): static on purpose, not a specialization
     fixed = {r for r, c in (("T", cap.call.key.sizes[0]), ("P", cap.call.key.sizes[1])) if c < 2}

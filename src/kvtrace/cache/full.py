@@ -1,0 +1,59 @@
+"""LayerKind.FULL: self-attention over every past token, one slot per position.
+
+    k, v: [B, H_kv, max_seq_len, D]; slot j holds position j once a program wrote it
+
+Written by every program (prefill and decode) at ``input_pos``; slots ``[0, position)`` are valid, the
+rest are stale or initial and masked by position, so rewinding only moves the position. In a
+transformers DynamicCache such a layer holds the P past tokens ``[B, H_kv, P, D]`` (label ``"self"``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtrace.cache.kinds import PAST, KindOps
+from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
+
+__all__ = ["OPS", "SELF", "FullOps"]
+
+SELF = "self"  # HF layer-pattern label: a self-attention layer holding P past tokens (or none yet)
+
+
+class FullOps(KindOps):
+    kind = LayerKind.FULL
+    rewindable = True
+    written_by_decode = True
+    hf_labels = (SELF,)
+
+    def slots(self, spec: CacheSpec, layer: LayerSpec) -> int:
+        return spec.max_seq_len
+
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """k, v [B, H_kv, T, D] into slots ``input_pos [T]`` of k_cache, v_cache [B, H_kv, S, D]."""
+        k_cache.index_copy_(2, input_pos, k)
+        v_cache.index_copy_(2, input_pos, v)
+
+    def valid(self, k: torch.Tensor, v: torch.Tensor, position: int,
+              prefilled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``position`` slots: [B, H_kv, position, D]."""
+        return k[:, :, :position], v[:, :, :position]
+
+    def hf_label(self, cache: Any, i: int) -> str:
+        return SELF
+
+    def hf_held(self, label: str, has_past: bool) -> bool:
+        """A program takes the layer's K/V once the cache holds past tokens (P >= 1)."""
+        return has_past
+
+    def hf_written(self, label: str, image: bool) -> bool:
+        """Every call appends its T tokens: the program returns [B, H_kv, P + T, D]."""
+        return True
+
+    def hf_length(self, label: str) -> str:
+        return PAST
+
+
+OPS = FullOps()

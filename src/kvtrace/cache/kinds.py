@@ -1,0 +1,110 @@
+"""The cache-kind protocol: what every ``LayerKind`` says about its own K/V buffers, and the lookup.
+
+One module per kind (``full``, ``cross``; sliding-window and quantized kinds go the same way) defines a
+``KindOps`` subclass and an instance ``OPS``; ``ops(kind)`` finds it. Nothing outside ``spec`` and
+``cache`` tests ``layer.kind is LayerKind.X``: it asks the kind.
+
+What a kind answers (``LayerSpec`` ``layer`` of CacheSpec ``spec``; K and V are ``[B, H_kv, S, D]``):
+  * ``buffers(spec, i)``: its K and V BufferSpecs (shape, dtype, initial value), as ``CacheSpec.buffers``
+    lists them, and ``extra_buffers``: state it shares across its layers (none for most kinds);
+  * ``write(k_cache, v_cache, input_pos, k, v)``: how a program stores new K/V (in place);
+  * ``valid(k, v, position, prefilled)``: the slots holding data at ``position`` (what verify compares),
+    None when the layer holds nothing yet;
+  * ``rewindable``: whether ``Session.rewind`` is defined for it; ``written_by_decode``: False when only a
+    prefill program (one that runs once, e.g. the image prefill) fills it;
+  * the HF mapping: ``hf_label(cache, i)`` (layer ``i`` of a transformers DynamicCache as a layer-pattern
+    label), ``hf_held`` / ``hf_written`` (whether a captured program takes / returns that layer) and
+    ``hf_length`` (what the layer's S dimension counts: ``PAST`` tokens, ``IMAGE`` tokens, or nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any, ClassVar
+
+import torch
+
+from kvtrace._errors import UnsupportedError
+from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
+
+__all__ = ["IMAGE", "PAST", "KindOps", "kind_of", "ops", "ops_for_label"]
+
+# What a held HF layer's S dimension counts (``KindOps.hf_length``).
+PAST = "P"  # past text tokens, one P for every such layer
+IMAGE = "N_c"  # cached image tokens, one N_c for every such layer
+
+# LayerKind -> the module defining its OPS. Adding a kind: one module and one line here.
+_MODULES: dict[LayerKind, str] = {
+    LayerKind.FULL: "kvtrace.cache.full",
+    LayerKind.CROSS: "kvtrace.cache.cross",
+}
+
+
+class KindOps:
+    """One cache kind's semantics. Subclasses set the class attributes and override what differs."""
+
+    kind: ClassVar[LayerKind]
+    rewindable: ClassVar[bool]  # Session.rewind is defined for caches of this kind
+    written_by_decode: ClassVar[bool]  # False: only a prefill program (ProgramSpec.once) writes it
+    hf_labels: ClassVar[tuple[str, ...]]  # the layer-pattern labels hf_label returns
+
+    def slots(self, spec: CacheSpec, layer: LayerSpec) -> int:
+        """S of this layer's K/V ``[B, H_kv, S, D]``."""
+        return layer.max_len
+
+    def buffers(self, spec: CacheSpec, i: int) -> tuple[BufferSpec, BufferSpec]:
+        """Layer ``i``'s K and V buffers, named and ordered as in the program signature."""
+        layer = spec.layers[i]
+        shape = (spec.batch_size, layer.n_kv_heads, self.slots(spec, layer), layer.head_dim)  # [B, H_kv, S, D]
+        return (BufferSpec(f"layers.{i}.k", shape, spec.dtype, spec.kv_init),
+                BufferSpec(f"layers.{i}.v", shape, spec.dtype, spec.kv_init))
+
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def valid(self, k: torch.Tensor, v: torch.Tensor, position: int,
+              prefilled: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        raise NotImplementedError
+
+    def hf_label(self, cache: Any, i: int) -> str:
+        raise NotImplementedError
+
+    def hf_held(self, label: str, has_past: bool) -> bool:
+        raise NotImplementedError
+
+    def hf_written(self, label: str, image: bool) -> bool:
+        raise NotImplementedError
+
+    def hf_length(self, label: str) -> str | None:
+        raise NotImplementedError
+
+
+@functools.cache
+def ops(kind: LayerKind | str) -> KindOps:
+    """The semantics of ``kind``; UnsupportedError for a kind no module implements yet."""
+    kind = LayerKind(kind)
+    name = _MODULES.get(kind)
+    if name is None:
+        raise UnsupportedError(
+            f"cache layer kind {kind.value!r} has no implementation yet (implemented: "
+            f"{[k.value for k in _MODULES]}); export the model with full-attention layers"
+        )
+    return importlib.import_module(name).OPS
+
+
+def kind_of(layer: LayerSpec) -> KindOps:
+    """The semantics of one declared layer."""
+    return ops(layer.kind)
+
+
+@functools.cache
+def ops_for_label(label: str) -> KindOps:
+    """The kind whose HF layers get layer-pattern label ``label`` (see ``KindOps.hf_label``)."""
+    for kind in _MODULES:
+        o = ops(kind)
+        if label in o.hf_labels:
+            return o
+    raise UnsupportedError(f"unknown cache layer state {label!r}; expected one of "
+                           f"{[s for k in _MODULES for s in ops(k).hf_labels]}")
