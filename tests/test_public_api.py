@@ -7,9 +7,17 @@ import sys
 
 import kvtrace
 
-EXPECTED = {
-    "ArtifactError", "CacheOverflowError", "CacheSpec", "CaptureError", "KvtraceError", "LayerKind", "LayerSpec",
-    "Prompt", "SourceError", "UnsupportedError", "UsageError", "__version__", "export", "jit", "load", "verify",
+ERRORS = {"ArtifactError", "CacheOverflowError", "CaptureError", "KvtraceError", "SourceError", "UnsupportedError",
+          "UsageError"}
+EXPECTED = ERRORS | {
+    "__version__",
+    "CacheSpec", "LayerKind", "LayerSpec", "BufferSpec", "ProgramSpec", "InputSpec", "Decoder",  # declared state and programs
+    "jit", "JittedModel", "JitStats",  # HF-style calls
+    "export", "load", "Artifact", "Manifest",  # artifacts
+    "Session", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
+    "Chunk",  # running
+    "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
+    "lint", "LintReport", "Finding",  # tools
 }
 
 
@@ -52,3 +60,37 @@ def test_the_error_tree_in_the_docstring_is_the_real_one():
         parents[depth + 1] = cls
         if depth:
             assert parents[depth] in cls.__bases__, f"{name} drawn under {parents[depth].__name__}"
+
+
+def _kvtrace_types(hint: object) -> set[type]:
+    """The kvtrace classes inside a type hint (unions, generics, tuples, callables walked)."""
+    import typing
+
+    out: set[type] = set()
+    if isinstance(hint, type) and hint.__module__.startswith("kvtrace."):
+        out.add(hint)
+    for arg in typing.get_args(hint):
+        out |= _kvtrace_types(arg)
+    return out
+
+
+def test_every_type_a_public_function_takes_or_returns_is_exported():
+    import inspect
+    import typing
+
+    public = {getattr(kvtrace, n) for n in kvtrace.__all__ if n != "__version__"}
+    seen: set[type] = set()
+    for obj in public:
+        fns = [obj] if inspect.isfunction(obj) else [
+            f for name, f in inspect.getmembers(obj, inspect.isfunction) if not name.startswith("_") or name == "__init__"
+        ] if inspect.isclass(obj) else []
+        for fn in fns:
+            try:
+                hints = typing.get_type_hints(fn)
+            except NameError:  # a hint naming a type only imported under TYPE_CHECKING: checked by its own module
+                continue
+            for hint in hints.values():
+                seen |= _kvtrace_types(hint)
+    missing = sorted(f"{t.__module__}.{t.__qualname__}" for t in seen if t not in public)
+    assert missing == [], f"public functions take or return these, which kvtrace does not export: {missing}"
+    assert {kvtrace.Session, kvtrace.Artifact, kvtrace.GenerationResult} <= seen  # the walk sees real signatures

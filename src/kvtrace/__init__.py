@@ -1,6 +1,7 @@
 """kvtrace: compile and export transformer decoders together with their KV cache.
 
-Public API (everything else lives in private modules and may change)::
+Public API: exactly ``kvtrace.__all__`` (the subpackages are kvtrace's own layout and may change;
+the plug-in points are ``kvtrace.backends``, ``kvtrace.cache.kinds`` and ``kvtrace.models.registry``)::
 
     jm = kvtrace.jit(model)                       # drop-in for HF-style calls with a DynamicCache/StaticCache
     kvtrace.export("smollm2-135m-instruct", "m.kvt", max_seq_len=512)
@@ -26,44 +27,115 @@ from kvtrace._errors import (
 
 __version__ = "0.4.0"
 
+# name -> the module that defines it. Heavy modules (torch, transformers) are imported lazily, on first
+# use of a name: `import kvtrace` has no side effects and loading an artifact never pulls in transformers.
+_LAZY = {
+    # declared state and programs
+    "CacheSpec": "kvtrace.spec.cache",
+    "BufferSpec": "kvtrace.spec.cache",
+    "LayerKind": "kvtrace.spec.cache",
+    "LayerSpec": "kvtrace.spec.cache",
+    "ProgramSpec": "kvtrace.spec.program",
+    "InputSpec": "kvtrace.spec.program",
+    "Decoder": "kvtrace.spec.decoder",
+    # jit: HF-style calls
+    "jit": "kvtrace.runtime.jit",
+    "JittedModel": "kvtrace.runtime.jit",
+    "JitStats": "kvtrace.runtime.jit",
+    # export and artifacts
+    "export": "kvtrace.artifact.export",
+    "load": "kvtrace.artifact.archive",
+    "Artifact": "kvtrace.artifact.archive",
+    "Manifest": "kvtrace.artifact.archive",
+    # running: sessions and generation
+    "Session": "kvtrace.runtime.session",
+    "Snapshot": "kvtrace.runtime.session",
+    "Sampling": "kvtrace.runtime.generate",
+    "generate": "kvtrace.runtime.generate",
+    "stream": "kvtrace.runtime.generate",
+    "Generation": "kvtrace.runtime.generate",
+    "GenerationResult": "kvtrace.runtime.generate",
+    "GenerationStats": "kvtrace.runtime.generate",
+    "Chunk": "kvtrace.runtime.generate",
+    # tools
+    "verify": "kvtrace.tools.verify",
+    "VerifyReport": "kvtrace.tools.verify",
+    "StepRow": "kvtrace.tools.verify",
+    "Prompt": "kvtrace.tools.runners",
+    "Runner": "kvtrace.tools.runners",
+    "EagerRunner": "kvtrace.tools.runners",
+    "JitRunner": "kvtrace.tools.runners",
+    "SessionRunner": "kvtrace.tools.runners",
+    "lint": "kvtrace.tools.lint",
+    "LintReport": "kvtrace.tools.lint",
+    "Finding": "kvtrace.tools.lint",
+}
+
 __all__ = [
+    "Artifact",
     "ArtifactError",
+    "BufferSpec",
     "CacheOverflowError",
     "CacheSpec",
     "CaptureError",
+    "Chunk",
+    "Decoder",
+    "EagerRunner",
+    "Finding",
+    "Generation",
+    "GenerationResult",
+    "GenerationStats",
+    "InputSpec",
+    "JitRunner",
+    "JitStats",
+    "JittedModel",
     "KvtraceError",
     "LayerKind",
     "LayerSpec",
+    "LintReport",
+    "Manifest",
+    "ProgramSpec",
     "Prompt",
+    "Runner",
+    "Sampling",
+    "Session",
+    "SessionRunner",
+    "Snapshot",
     "SourceError",
+    "StepRow",
     "UnsupportedError",
     "UsageError",
+    "VerifyReport",
     "__version__",
     "export",
+    "generate",
     "jit",
+    "lint",
     "load",
+    "stream",
     "verify",
 ]
 
-# Heavy modules (torch, transformers) are imported lazily: `import kvtrace` has no side effects
-# and loading an artifact never pulls in transformers.
-_LAZY = {
-    "CacheSpec": "kvtrace.spec.cache",
-    "LayerKind": "kvtrace.spec.cache",
-    "LayerSpec": "kvtrace.spec.cache",
-    "jit": "kvtrace.runtime.jit",
-    "export": "kvtrace.artifact.export",
-    "load": "kvtrace.artifact.archive",
-    "verify": "kvtrace.tools.verify",
-    "Prompt": "kvtrace.tools.verify",
-}
-
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtrace.artifact.archive import load
+    from kvtrace.artifact.archive import Artifact, Manifest, load
     from kvtrace.artifact.export import export
-    from kvtrace.runtime.jit import jit
-    from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
-    from kvtrace.tools.verify import Prompt, verify
+    from kvtrace.runtime.generate import (
+        Chunk,
+        Generation,
+        GenerationResult,
+        GenerationStats,
+        Sampling,
+        generate,
+        stream,
+    )
+    from kvtrace.runtime.jit import JitStats, JittedModel, jit
+    from kvtrace.runtime.session import Session, Snapshot
+    from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
+    from kvtrace.spec.decoder import Decoder
+    from kvtrace.spec.program import InputSpec, ProgramSpec
+    from kvtrace.tools.lint import Finding, LintReport, lint
+    from kvtrace.tools.runners import EagerRunner, JitRunner, Prompt, Runner, SessionRunner
+    from kvtrace.tools.verify import StepRow, VerifyReport, verify
 
 
 def __getattr__(name: str) -> Any:
