@@ -1,7 +1,7 @@
 """kvtrace.export: source -> Decoder + CacheSpec -> captured programs -> backend files -> one artifact.
 
-The orchestration only: capture lives in ``capture.export``, compilation in ``backends``, the file
-format in ``artifact.archive``.
+The orchestration only: capture lives in ``capture.export``, compilation in the backend the registry
+names (``backends.registry``), the file format in ``artifact.archive`` / ``artifact.write``.
 """
 
 from __future__ import annotations
