@@ -442,7 +442,7 @@ def test_a_zip_bomb_is_refused_before_it_is_decompressed(exported, tmp_path, dec
 
 
 def test_a_directory_of_too_many_members_is_refused_before_it_is_parsed(tmp_path, monkeypatch):
-    from kvtrace.artifact import archive as _artifact
+    from kvtrace.artifact import reader as _artifact
 
     many = tmp_path / "many.kvt"
     with zipfile.ZipFile(many, "w") as zf:
@@ -457,7 +457,7 @@ def test_a_directory_of_too_many_members_is_refused_before_it_is_parsed(tmp_path
 
 
 def test_member_size_ceiling_and_compression_method(exported, tmp_path):
-    from kvtrace.artifact import archive as _artifact
+    from kvtrace.artifact import reader as _artifact
 
     d = manifest_dict(exported)
     d["members"]["tokenizer.json"] = {"size": 5, "sha256": hashlib.sha256(b"ab\xffcd").hexdigest()}

@@ -1,8 +1,10 @@
 """Artifacts: one file holding programs, weights once, a checked manifest and the tokenizer.
 
-``archive`` (the file format: manifest, member hashes, bounded reads, ``load``), ``export``
-(``kvtrace.export``: source → decoder → captured programs → backend files → artifact), ``store``
-(the per-user artifact cache: build once, heal corrupt entries).
+``archive`` (the file format and what loading checks; ``Artifact`` and ``load``), ``write`` (program
+signatures, weights stored once, the atomic write), ``reader`` (the file's hash, bounded zip reads, member
+hashes, the weight table, recorded signatures), ``export`` (``kvtrace.export``: source → decoder →
+captured programs → backend files → artifact), ``store`` (the per-user artifact cache: build once, heal
+corrupt entries). Every backend-specific step is the backend's own (``kvtrace.backends.registry``).
 
 May import: ``spec`` … ``runtime``.
 """

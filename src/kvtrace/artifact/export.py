@@ -1,7 +1,7 @@
 """kvtrace.export: source -> Decoder + CacheSpec -> captured programs -> backend files -> one artifact.
 
-The orchestration only: capture lives in ``capture.export``, compilation in ``backends``, the file
-format in ``artifact.archive``.
+The orchestration only: capture lives in ``capture.export``, compilation in the backend the registry
+names (``backends.registry``), the file format in ``artifact.archive`` / ``artifact.write``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -20,16 +19,10 @@ from typing import Any
 import torch
 
 from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
-from kvtrace.artifact.archive import (
-    BACKENDS,
-    PACKED_MODEL,
-    Manifest,
-    ModelInfo,
-    dedupe_weights,
-    program_signature,
-    write_artifact,
-)
-from kvtrace.capture.export import _example_args, capture_programs, with_prefill_logits
+from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
+from kvtrace.backends import registry
+from kvtrace.capture.export import capture_programs, with_prefill_logits
+from kvtrace.spec.manifest import Manifest, ModelInfo
 from kvtrace.spec.program import program_specs
 
 __all__ = ["export"]
@@ -50,36 +43,6 @@ def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Te
                 raise CaptureError(f"programs disagree about weight {name}; they must share one weight set")
             out[name] = t
     return out
-
-
-def _program_files(eps: dict[str, torch.export.ExportedProgram], backend: str,
-                   dtype: torch.dtype = torch.float32) -> dict[str, bytes]:
-    if backend == "exported":
-        from torch._export.serde.serialize import serialize
-
-        return {
-            f"programs/{name}.json": serialize(
-                ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
-            ).exported_program
-            for name, ep in eps.items()
-        }
-    from torch._inductor.package import package_aoti
-
-    from kvtrace.backends.aoti import export_options
-
-    packed = backend == "aoti-packed"
-    if packed:  # one program, T symbolic, serves prefill and decode: its prepacked weights exist once
-        eps = {PACKED_MODEL: eps["prefill"]}
-    with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
-        files = {}
-        for name, ep in eps.items():
-            opts = {**export_options(packed, dtype), "aot_inductor.package": True,
-                    "aot_inductor.model_name_for_generated_files": name}
-            with torch.compiler.config.patch(force_disable_caches=True):  # see _compile.EXPORT_NO_CACHE
-                files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
-        pkg = Path(tmp) / "aoti.pt2"
-        package_aoti(str(pkg), files)
-        return {"programs/aoti.pt2": pkg.read_bytes()}
 
 
 def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int,
@@ -160,8 +123,7 @@ def export(
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """
-    if backend not in BACKENDS:
-        raise UsageError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    chosen = registry.get(backend)
     tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if tdtype not in DTYPES.values():
         raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -176,24 +138,22 @@ def export(
         decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
                                                             batch_size=batch_size, image_tokens=image_tokens)
     programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
-    names = [p.name for p in programs]
-    if backend == "aoti-packed" and sorted(names) != ["decode", "prefill"]:
-        raise UsageError(f"backend aoti-packed serves prefill and decode from one program; "
-                         f"{info.model_name or type(decoder).__name__} declares programs {names}. Use --backend aoti")
+    chosen.check_programs([p.name for p in programs], info.model_name or type(decoder).__name__)
     try:
         with progress("capturing programs (torch.export)"):
-            # aoti-packed compiles the prefill program alone (T symbolic; it serves decode too)
-            eps = capture_programs(decoder, tuple(p for p in programs if backend != "aoti-packed" or p.name == "prefill"))
+            # only what the backend compiles: aoti-packed's one program is prefill's (T symbolic; it serves decode too)
+            eps = capture_programs(decoder, tuple(chosen.compiled({p.name: p for p in programs}).values()))
             weights = _weights(eps)
-        with progress("serializing programs" if backend == "exported" else f"compiling with AOTInductor ({backend})"):
-            files = _program_files(eps, backend, decoder.cache_spec.torch_dtype)
+        compiled = chosen.compiled(eps)  # compiled program name -> captured program
+        with progress(chosen.compile_label):
+            files = chosen.compile(compiled, decoder.cache_spec.torch_dtype)
     except KvtraceError:
         raise
     except Exception as e:
         raise CaptureError(
             f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {one_line(e)}"
         ) from e
-    unique, aliases = dedupe_weights(weights) if backend != "aoti-packed" else ({}, {})  # packed: in the program
+    unique, aliases = ({}, {}) if chosen.packs_weights else dedupe_weights(weights)  # packed: in the program
     vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
     from kvtrace import __version__
 
@@ -208,8 +168,8 @@ def export(
         kvtrace_version=__version__,
         torch_version=torch.__version__,
         export_seconds=round(time.perf_counter() - t0, 3),
-        # what each program takes, checked at load against the CacheSpec (aoti-packed: one "step" program)
-        signatures={PACKED_MODEL if backend == "aoti-packed" else n: program_signature(ep) for n, ep in eps.items()},
+        # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
+        signatures={n: program_signature(ep) for n, ep in compiled.items()},
     )
     return write_artifact(path, manifest, unique, files, tokenizer_json)
 

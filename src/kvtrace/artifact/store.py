@@ -46,8 +46,9 @@ def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, bat
                  prefill_logits: str = "last") -> str:
     from kvtrace import __version__
     from kvtrace.artifact.archive import VERSION  # a new artifact format never serves entries of the old one
+    from kvtrace.backends import registry
 
-    blob = json.dumps([digest, backend, max_seq_len, dtype, batch_size, __version__, VERSION, torch.__version__,
+    blob = json.dumps([digest, registry.get(backend).name, max_seq_len, dtype, batch_size, __version__, VERSION, torch.__version__,
                        *([] if prefill_logits == "all" else [prefill_logits])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 

@@ -1,6 +1,12 @@
-"""Thin glue over AOTInductor: an ExportedProgram -> a loaded, guard-free compiled callable.
+"""Backend "aoti" (AOTInductor: one compiled library per program, weights kept outside it), and the thin
+glue over AOTInductor it shares with kvtrace.jit and "aoti-packed".
 
-Two ways in: ``aoti_compile``/``aoti_load`` for packages this process just compiled (kvtrace.jit), via
+Members: ``programs/aoti.pt2``, an AOTInductor package with one model per program. Loading checks the
+package's member list (``pt2``), every constant each library reads against the artifact's weights
+(dtype and byte size, asked of the library itself) and makes one probe call with AOTInductor's runtime
+input checks on, which then stay on for every call.
+
+Glue, two ways in: ``aoti_compile``/``aoti_load`` for packages this process just compiled (kvtrace.jit), via
 torch's package loader; ``load_library`` for a compiled model library taken out of an artifact: it
 dlopens the one ``.so`` through ``AOTIModelContainerRunnerCpu`` and nothing else — none of torch's
 package-loader paths that unpickle weights, constants or custom objects, and no compiler run.
@@ -9,16 +15,30 @@ package-loader paths that unpickle weights, constants or custom objects, and no 
 from __future__ import annotations
 
 import _ctypes
+import contextlib
 import ctypes
 import functools
 import os
-from collections.abc import Callable, Sequence
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from kvtrace._errors import ArtifactError
+from kvtrace.backends import pt2
+from kvtrace.backends.base import Backend, Program
 
-__all__ = ["CHECK_INPUTS_ENV", "aoti_compile", "aoti_load", "compiled_constants", "load_library", "weights_of"]
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from kvtrace.spec.manifest import Manifest
+    from kvtrace.spec.program import ProgramSpec
+
+__all__ = ["AOTI", "CHECK_INPUTS_ENV", "PACKAGE", "AotiBackend", "aoti_compile", "aoti_load", "compiled_constants",
+           "load_library", "weights_of"]
+
+PACKAGE = "programs/aoti.pt2"  # the artifact member holding the package
 
 # The generated run_impl checks every input's dtype, static sizes, symbolic-size bounds and static strides
 # against what it was compiled for, and raises instead of reading out of bounds, when this variable is set
@@ -35,7 +55,7 @@ CHECK_INPUTS_ENV = "AOTI_RUNTIME_CHECK_INPUTS"
 EXPORT_NO_CACHE = {"force_disable_caches": True}
 
 
-def inductor_options(packed: bool = False, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+def inductor_options(packed: bool = False, dtype: torch.dtype | None = None) -> dict[str, Any]:
     """Inductor settings kvtrace compiles with (one place, reported by bench).
 
     Default: weights stay outside the .so; they are loaded from the model / artifact once.
@@ -45,7 +65,10 @@ def inductor_options(packed: bool = False, dtype: torch.dtype = torch.float32) -
     ATen, per matmul: on SmolLM2 bf16 it doubles decode speed over frozen oneDNN matmuls (57-66 vs 40
     tokens/s) at ~4x the compile time. In fp32 the templates lose to the frozen MKL/oneDNN matmuls
     (decode 33.6 vs 37 tokens/s, prefill 137 vs 83 ms) and only cost compile time, so fp32 freezes only.
+    ``dtype`` None: float32.
     """
+    import torch
+
     if packed:
         opts: dict[str, Any] = {
             "freezing": True,
@@ -71,6 +94,8 @@ def export_options(packed: bool, dtype: torch.dtype) -> dict[str, Any]:
 
 def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLike[str]) -> Callable[..., Any]:
     """Compile ``ep`` ahead of time and load it, with the ExportedProgram's own weights attached."""
+    import torch
+
     path = torch._inductor.aoti_compile_and_package(
         ep, package_path=os.fspath(package_path), inductor_configs=inductor_options()
     )
@@ -79,6 +104,8 @@ def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLi
 
 def weights_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:
     """Every tensor a program reads besides its inputs: parameters, buffers and lifted constants, by name."""
+    import torch
+
     out: dict[str, torch.Tensor] = dict(ep.state_dict)
     out.update({k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor)})
     return out
@@ -133,6 +160,8 @@ def compiled_constants(so_path: str | os.PathLike[str]) -> dict[str, tuple[torch
 @functools.cache
 def _dtype_codes() -> dict[int, torch.dtype]:
     """AOTInductor's dtype codes (``aoti_torch_dtype_<name>()`` of libtorch's C shim) -> torch dtypes."""
+    import torch
+
     shim = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
     names = ("float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool")
     return {getattr(shim, f"aoti_torch_dtype_{n}")(): getattr(torch, n) for n in names}
@@ -146,6 +175,8 @@ def load_library(so_path: str | os.PathLike[str], weights: dict[str, torch.Tenso
     Returns (the callable, the probe's outputs). Raises RuntimeError (the library's own message) when the
     probe's inputs are not what it was compiled for.
     """
+    import torch
+
     runner = torch._C._aoti.AOTIModelContainerRunnerCpu(os.fspath(so_path), 1)
     if weights is not None:
         names = runner.get_constant_names_to_original_fqns()  # internal name -> FQN
@@ -180,3 +211,122 @@ class _FlatRunner:
                     "contiguous; pass .contiguous() tensors"
                 )
         return self._run(list(flat))
+
+
+# --- the backend ----------------------------------------------------------------------------------
+class AotiBackend(Backend):
+    """One AOTInductor model per compiled program, in one package; ``packs_weights``: frozen weights."""
+
+    @property
+    def compile_label(self) -> str:
+        return f"compiling with AOTInductor ({self.name})"
+
+    def compile(self, eps: dict[str, torch.export.ExportedProgram], dtype: torch.dtype) -> dict[str, bytes]:
+        import torch
+        from torch._inductor.package import package_aoti
+
+        from kvtrace.capture.export import _example_args
+
+        def no_cache() -> contextlib.AbstractContextManager[Any]:  # see EXPORT_NO_CACHE
+            return torch.compiler.config.patch(**EXPORT_NO_CACHE) if self.no_compile_cache else contextlib.nullcontext()
+
+        with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
+            files = {}
+            for name, ep in eps.items():
+                opts = {**export_options(self.packs_weights, dtype), "aot_inductor.package": True,
+                        "aot_inductor.model_name_for_generated_files": name}
+                with no_cache():
+                    files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
+            pkg = Path(tmp) / "aoti.pt2"
+            package_aoti(str(pkg), files)
+            return {PACKAGE: pkg.read_bytes()}
+
+    def members(self, programs: Iterable[str]) -> set[str]:
+        return {PACKAGE}
+
+    def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
+             weights: dict[str, torch.Tensor]) -> dict[str, Program]:
+        from kvtrace.spec.manifest import clip
+
+        compiled = self.compiled(manifest.programs)
+        libraries = pt2.libraries(f"{path}: {PACKAGE}", blobs[PACKAGE], set(compiled))
+        pt2.remove_stale_dirs()
+        tmp = Path(tempfile.mkdtemp(prefix=f"{pt2.TEMP_PREFIX}{os.getpid()}-"))
+        cache = manifest.cache_spec.allocate()  # one scratch cache for every probe
+        try:
+            loaded = {}
+            for name, program in compiled.items():
+                so = tmp / f"{name}.so"  # our own names: nothing from the package picks a path
+                so.write_bytes(libraries[name][".so"])
+                if ".json" in libraries[name]:  # extern kernel nodes, read by the library's proxy executor
+                    (tmp / f"{name}.json").write_bytes(libraries[name][".json"])
+                if not self.packs_weights:
+                    _check_constants(path, name, compiled_constants(so), weights)
+                try:
+                    run, out = load_library(so, None if self.packs_weights else weights,
+                                            _probe_inputs(manifest, program, cache))
+                except RuntimeError as e:
+                    raise ArtifactError(
+                        f"{path}: program {name} refuses the inputs its manifest declares ({clip(str(e), 200)}): "
+                        "the CacheSpec or program specs do not match the compiled program; the artifact is "
+                        "inconsistent, re-export it") from e
+                if len(out) != 1 or out[0].dim() != 3 or out[0].shape[-1] != manifest.vocab_size:
+                    raise ArtifactError(f"{path}: program {name} returns {[tuple(o.shape) for o in out]}, the "
+                                        f"manifest declares logits [B, T, {manifest.vocab_size}]; the artifact is "
+                                        "inconsistent, re-export it")
+                loaded[name] = _logits_only(run)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)  # the libraries stay mapped; their files are not needed
+        return self.serve(loaded, manifest)
+
+    def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
+        """Compiled program name -> callable, as ProgramSpec name -> callable (the inverse of ``compiled``)."""
+        return loaded
+
+
+AOTI = AotiBackend("aoti", "AOTInductor-compiled programs (native code), weights stored once outside them",
+                   native_code=True, no_compile_cache=True)
+
+
+def _probe_inputs(manifest: Manifest, program: ProgramSpec, cache: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One call's inputs at position 0 with T = L = 1, over ``cache`` (allocated from the CacheSpec)."""
+    import torch
+
+    spec = manifest.cache_spec
+    flat = [torch.zeros(spec.batch_size, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    if program.key_pos:
+        flat.append(torch.zeros(1, dtype=torch.int64))
+    for i in program.inputs:
+        flat.append(torch.full(i.concrete(spec.batch_size, 1), i.default or 0.0, dtype=i.torch_dtype))
+    return [*flat, *cache]
+
+
+def _check_constants(path: Path, name: str, table: dict[str, tuple[torch.dtype | None, int]],
+                     weights: dict[str, torch.Tensor]) -> None:
+    """Every weight a compiled library reads, against what the artifact hands it (dtype, bytes).
+
+    The library records each constant's storage size at compile time rounded up to 64 bytes (Inductor's
+    ALIGN_BYTES), not its shape; kvtrace's weights own their storage, so a weight that fits is one whose
+    rounded size is exactly that: fewer bytes would be read past their end, more would be misread.
+    """
+    from kvtrace.spec.manifest import describe
+
+    for fqn, (dtype, nbytes) in table.items():
+        w = weights.get(fqn)
+        if w is None:
+            raise ArtifactError(f"{path}: program {name} reads weight {fqn}, which weights.safetensors does not "
+                                "hold; the artifact is inconsistent, re-export it")
+        if w.dtype != dtype or (w.nbytes + 63) // 64 * 64 != nbytes or not w.is_contiguous():
+            raise ArtifactError(
+                f"{path}: program {name} was compiled for weight {fqn} as {str(dtype).removeprefix('torch.')} of "
+                f"{nbytes} bytes (64-byte aligned), but weights.safetensors holds {describe(w)} ({w.nbytes} bytes); "
+                "the artifact is inconsistent, re-export it")
+
+
+def _logits_only(runner: Callable[..., list[torch.Tensor]]) -> Program:
+    """AOTInductor returns a list of outputs; a Decoder program has exactly one (logits [B, T, V])."""
+
+    def run(*flat: torch.Tensor) -> torch.Tensor:
+        return runner(*flat)[0]
+
+    return run

@@ -28,12 +28,14 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
 
 def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     """Add ``kvtrace export`` to the parser (``add(name, help)`` makes the subparser)."""
+    from kvtrace.backends import registry
+
     p = add("export", "Export a model with its KV cache to one artifact file.")
     p.add_argument("source", help="smollm2-135m-instruct, a HF model dir, or a GGUF file")
     p.add_argument("-o", "--output", required=True, help="artifact file to write, e.g. model.kvt")
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--backend", choices=("exported", "aoti", "aoti-packed"), default="exported",
+    p.add_argument("--backend", choices=registry.names(), default="exported",
                    help="aoti-packed: frozen, prepacked weights and CPU GEMM templates (fastest decode, "
                         "slowest compile)")
     p.add_argument("--image-tokens", type=POSITIVE, default=None, metavar="N",

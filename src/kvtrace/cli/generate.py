@@ -101,11 +101,13 @@ def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
 
 def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     """Add ``kvtrace generate`` to the parser (``add(name, help)`` makes the subparser)."""
+    from kvtrace.backends import registry
+
     p = add("generate", "Stream an answer from a model (default: the embedded SmolLM2-135M-Instruct), compiled.")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text, or - for stdin")
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), a HF model dir, or a GGUF file")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=256)
-    p.add_argument("--backend", choices=("aoti", "aoti-packed", "exported"), default="aoti")
+    p.add_argument("--backend", choices=sorted(registry.names()), default="aoti")
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     sampling_args(p)

@@ -27,12 +27,14 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
 
 def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     """Add ``kvtrace verify`` to the parser (``add(name, help)`` makes the subparser)."""
+    from kvtrace.backends import registry
+
     p = add("verify", "Compare jit/exported/aoti against eager: logits and every cache layer, step by step.",
             json_flag=False)
     p.add_argument("source", help="smollm2-135m-instruct, a HF model dir, or a GGUF file")
     p.add_argument("--artifact", action="append", default=[], help="also verify this artifact (repeatable)")
     p.add_argument("--against", default="jit,exported",
-                   help="comma list of jit, jit-eager, exported, aoti, aoti-packed")
+                   help=f"comma list of jit, jit-eager, {', '.join(registry.names())}")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--prompt", default=None, help="first prompt (a second, different prompt follows a reset)")
     g.add_argument("--prompts", default=None, help="file with one prompt per line")

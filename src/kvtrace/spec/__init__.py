@@ -4,7 +4,8 @@
 what each captured program takes and returns), ``decoder`` (the Decoder protocol every model family
 builds: ``cache_spec`` + ``forward(tokens, input_pos, *cache) -> logits``), ``config`` (reading HF
 config objects: head_dim, KV heads, RoPE type, max positions, sliding window, layer types),
-``tolerances`` (per-dtype verify tolerances, in one place).
+``manifest`` (Manifest, ModelInfo: an artifact's versioned JSON root, its field checks, and the inputs
+it says each program takes), ``tolerances`` (per-dtype verify tolerances, in one place).
 
 Layer 1 of the flow: imports nothing from kvtrace but ``kvtrace._errors``.
 """

@@ -42,8 +42,14 @@ from kvtrace.tools.bench_render import COLUMNS, plot, render, render_markdown
 
 __all__ = ["COLUMNS", "BenchResult", "measure_bandwidth", "plot", "render", "render_markdown", "run_bench"]
 
-BACKENDS = ("hf-eager", "hf-compile", "jit", "exported", "aoti", "aoti-packed")
-ARTIFACT_BACKENDS = ("exported", "aoti", "aoti-packed")  # measured in a fresh process by default
+IN_PROCESS = ("hf-eager", "hf-compile", "jit")  # bench's own, on the model object; then every artifact backend
+
+
+def _artifact_backends() -> tuple[str, ...]:
+    """The registry's backends: exported here, measured in a fresh process by default."""
+    from kvtrace.backends import registry
+
+    return registry.names()
 
 
 @dataclass
@@ -316,9 +322,10 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     """
     from kvtrace.artifact.export import DTYPES
 
-    bad = sorted(set(backends) - set(BACKENDS))
+    known = (*IN_PROCESS, *_artifact_backends())
+    bad = sorted(set(backends) - set(known))
     if bad:
-        raise UsageError(f"unknown backends {bad}; choose from {list(BACKENDS)}")
+        raise UsageError(f"unknown backends {bad}; choose from {list(known)}")
     if "hf-eager" not in backends:
         backends = ("hf-eager", *backends)  # the yardstick for ratios and token identity
     results: list[BenchResult] = []
@@ -345,7 +352,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     gc.collect()
                     _reset_peak_rss()
                     s = None
-                    fresh = fresh_process and b in ARTIFACT_BACKENDS
+                    fresh = fresh_process and b in _artifact_backends()
                     positions = sweep_positions(max_seq_len) if sweep else ()
                     try:
                         with progress(f"{b} {dtype} prompt {plen}: build"):

@@ -335,13 +335,15 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
     from kvtrace._errors import UsageError
     from kvtrace.artifact.archive import load
     from kvtrace.artifact.export import DTYPES, export
+    from kvtrace.backends import registry
     from kvtrace.sources.chat import encode_prompt
     from kvtrace.sources.load import load_model
 
     against = [a.strip() for a in args.against.split(",") if a.strip()]
-    unknown = sorted(set(against) - {"jit", "jit-eager", "exported", "aoti", "aoti-packed"})
+    takes = ("jit", "jit-eager", *registry.names())  # kvtrace.jit's two backends, then every artifact backend
+    unknown = sorted(set(against) - set(takes))
     if unknown:
-        raise UsageError(f"--against takes jit, jit-eager, exported, aoti, aoti-packed; got {unknown}")
+        raise UsageError(f"--against takes {', '.join(takes)}; got {unknown}")
     if not against and not args.artifact:
         raise UsageError("nothing to verify: --against is empty and no --artifact given; "
                          "pass e.g. --against jit,exported")

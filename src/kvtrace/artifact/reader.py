@@ -1,0 +1,177 @@
+"""Reading an artifact: the file's hash, the bounded zip directory and members, the weights, the
+recorded signatures. What is checked, and in which order, is listed in ``artifact.archive``.
+
+Nothing is read that the manifest does not list, nothing larger than it declares, nothing before its
+size and compression ratio are bounded; every member's SHA-256 is checked before the member is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zipfile
+import zlib
+from pathlib import Path
+
+import torch
+
+from kvtrace._errors import ArtifactError, UsageError
+from kvtrace.backends import registry
+from kvtrace.spec.manifest import (
+    MANIFEST,
+    TOKENIZER,
+    WEIGHTS,
+    Manifest,
+    clip,
+    compare_inputs,
+    describe,
+    expected_inputs,
+    short,
+)
+
+__all__ = ["check_file_hash", "check_signatures", "load_weights", "read_zip"]
+
+MANIFEST_MAX_BYTES = 16 << 20  # chat templates and signatures are small; a bigger manifest is not ours
+MEMBER_MAX_BYTES = 1 << 40  # no single member of a real artifact comes near 1 TiB
+MAX_RATIO = 100  # uncompressed / compressed per member: programs deflate ~3-15x, weights are stored (1x)
+MAX_MEMBERS = 1024  # an artifact has a handful; a directory of millions would cost GBs to parse
+_CHUNK = 1 << 20
+
+
+def check_file_hash(path: Path, expected: str) -> None:
+    if not isinstance(expected, str) or re.fullmatch("[0-9a-fA-F]{64}", expected) is None:
+        raise UsageError(f"expected_sha256 must be 64 hex digits (a SHA-256 of the whole file), got {short(expected)}")
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    if h.hexdigest() != expected.lower():
+        raise ArtifactError(f"{path} has SHA-256 {h.hexdigest()}, expected {expected.lower()}: it is not the file you "
+                            "trust (corrupt, or replaced); nothing in it was read")
+
+
+def _expected_members(manifest: Manifest) -> set[str]:
+    return {WEIGHTS, *registry.get(manifest.backend).members(manifest.programs)}
+
+
+def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> bytes:
+    """A member's bytes, never more than ``limit`` (the zip stream itself stops at the declared size)."""
+    buf = bytearray()
+    with zf.open(info) as f:
+        while chunk := f.read(min(_CHUNK, limit + 1 - len(buf))):
+            buf += chunk
+            if len(buf) > limit:
+                raise ArtifactError(f"{info.filename} is larger than its declared {limit} bytes; the file is corrupt")
+    return bytes(buf)
+
+
+def _check_size(path: Path, info: zipfile.ZipInfo, limit: int) -> None:
+    if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        raise ArtifactError(f"{path}: member {info.filename} uses zip compression method {info.compress_type}; kvtrace "
+                            "writes stored or deflated members only. The file is not a kvtrace artifact")
+    if info.file_size > limit or info.file_size > max(info.compress_size, 1) * MAX_RATIO + (1 << 16):
+        raise ArtifactError(
+            f"{path}: member {info.filename} claims {info.file_size} bytes uncompressed from {info.compress_size} "
+            f"(at most {limit} bytes and {MAX_RATIO}x compression allowed); refusing to decompress it (a zip bomb?)")
+
+
+def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
+    if path.is_dir():
+        raise UsageError(f"artifact path {path} is a directory; expected an artifact file written by `kvtrace export`")
+    if not path.is_file():
+        raise UsageError(f"artifact {path} does not exist; create one with `kvtrace export`")
+    try:
+        with path.open("rb") as f:
+            end = zipfile._EndRecData(f)  # the directory's entry count, read before zipfile parses the directory
+        if end is not None and end[zipfile._ECD_ENTRIES_TOTAL] > MAX_MEMBERS:
+            raise ArtifactError(f"{path}: its zip directory lists {end[zipfile._ECD_ENTRIES_TOTAL]} members (a kvtrace "
+                                f"artifact has a handful; at most {MAX_MEMBERS} are read); it is not a kvtrace artifact")
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+            names = [i.filename for i in infos]
+            if len(set(names)) != len(names):
+                dup = sorted({n for n in names if names.count(n) > 1})
+                raise ArtifactError(f"{path} lists member(s) {short(dup)} twice; it is not a kvtrace artifact")
+            by_name = {i.filename: i for i in infos}
+            if MANIFEST not in by_name:
+                raise ArtifactError(f"{path} has no manifest.json; it is not a kvtrace artifact")
+            _check_size(path, by_name[MANIFEST], MANIFEST_MAX_BYTES)
+            try:
+                text = _read_member(zf, by_name[MANIFEST], MANIFEST_MAX_BYTES).decode()
+            except UnicodeDecodeError as e:
+                raise ArtifactError(f"{path}: manifest.json is not UTF-8 text ({e}); the file is corrupt") from e
+            manifest = Manifest.from_json(text)
+            if manifest.backend not in registry.names():
+                raise ArtifactError(f"unknown backend {short(manifest.backend)} in manifest; "
+                                    f"expected one of {registry.names()}")
+            declared = manifest.members
+            present = set(by_name) - {MANIFEST}
+            unknown = sorted(present - set(declared))
+            if unknown:
+                raise ArtifactError(f"{path} holds member(s) {short(unknown)} that its manifest does not list; "
+                                    "kvtrace refuses unknown members. Re-export the artifact")
+            missing = sorted((_expected_members(manifest) | set(declared)) - present)
+            if missing:
+                raise ArtifactError(f"{path} lacks {missing}; the file is truncated or corrupt, re-export it")
+            extra = sorted(present - _expected_members(manifest) - {TOKENIZER})
+            if extra:
+                raise ArtifactError(f"{path}: member(s) {short(extra)} do not belong to a {manifest.backend} artifact "
+                                    f"of programs {sorted(manifest.programs)}; re-export it")
+            for name in sorted(present):  # every size is checked against the directory before anything is read
+                info, size = by_name[name], declared[name]["size"]
+                if info.file_size != size:
+                    raise ArtifactError(f"{path}: member {name} is {info.file_size} bytes, its manifest says {size}; "
+                                        "the file is corrupt, re-export it")
+                _check_size(path, info, MEMBER_MAX_BYTES)
+            blobs = {}
+            for name in sorted(present):
+                blob = _read_member(zf, by_name[name], declared[name]["size"])  # CRC-checked by zipfile
+                if hashlib.sha256(blob).hexdigest() != declared[name]["sha256"]:
+                    raise ArtifactError(f"{path}: member {name} does not match the SHA-256 its manifest records; "
+                                        "the file is corrupt or was altered, re-export it")
+                blobs[name] = blob
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, OSError, zlib.error, ValueError,
+            NotImplementedError, OverflowError) as e:
+        raise ArtifactError(f"{path} is not a readable kvtrace artifact ({clip(str(e), 200)}); it is corrupt or "
+                            "truncated") from e
+    return manifest, blobs
+
+
+def load_weights(path: Path, blob: bytes, manifest: Manifest) -> dict[str, torch.Tensor]:
+    """The stored weights, checked against the manifest's weight table, plus the tied aliases."""
+    from safetensors.torch import load as st_load
+
+    try:
+        weights = st_load(blob)
+    except Exception as e:  # safetensors raises its own error type
+        raise ArtifactError(f"{path}: weights.safetensors is corrupt ({clip(str(e), 200)}); re-export the artifact") from e
+    table = manifest.weights
+    if set(weights) != set(table):
+        diff = sorted(set(weights) ^ set(table))
+        raise ArtifactError(f"{path}: weights.safetensors holds other weights than the manifest lists (differ: "
+                            f"{short(diff)}); the artifact is inconsistent, re-export it")
+    for name, t in weights.items():
+        meta = table[name]
+        if list(t.shape) != meta["shape"] or str(t.dtype).removeprefix("torch.") != meta["dtype"]:
+            raise ArtifactError(f"{path}: weight {name} is {describe(t)}, the manifest says {describe(meta)}; "
+                                "the artifact is inconsistent, re-export it")
+    for alias, name in manifest.weight_aliases.items():
+        if name not in weights or alias in weights:
+            raise ArtifactError(f"{path}: weight alias {alias!r} -> {name!r} names "
+                                f"{'a weight that is not stored' if name not in weights else 'a stored weight'}; "
+                                "the artifact is inconsistent, re-export it")
+        weights[alias] = weights[name]
+    return weights
+
+
+def check_signatures(path: Path, manifest: Manifest) -> None:
+    """The signatures recorded at export against what the CacheSpec and ProgramSpecs declare."""
+    backend = registry.get(manifest.backend)
+    compiled = backend.compiled(manifest.programs)
+    if set(manifest.signatures) != set(compiled):
+        raise ArtifactError(f"{path}: the manifest records signatures of {sorted(manifest.signatures)}, expected "
+                            f"{sorted(compiled)}; the artifact is inconsistent, re-export it")
+    backend.check_manifest(path, manifest)
+    for name, program in compiled.items():
+        actual = [(tuple(i["shape"]), i["dtype"]) for i in manifest.signatures[name]]
+        compare_inputs(path, f"program {name} (as recorded at export)", expected_inputs(manifest, program), actual)

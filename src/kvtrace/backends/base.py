@@ -1,0 +1,79 @@
+"""The Backend protocol: a name, what the backend's programs are like, and the two things it does.
+
+A backend turns captured programs into the files an artifact holds (``compile``, at export) and those
+files back into callables (``load``, with its own consistency checks, before the first call). Every
+other module asks the registry (``kvtrace.backends.registry``) for a ``Backend`` by name and reads its
+capabilities instead of comparing names.
+
+Capabilities (fixed per backend; ``tests/backends`` holds each one against what the backend does):
+  * ``native_code``: loading dlopens a compiled library from the file (trust it: ``expected_sha256``);
+  * ``packs_weights``: the weights are frozen into the program, so the artifact stores none;
+  * ``one_program``: one program (T symbolic) serves prefill and decode; ``compiled`` maps the
+    decoder's ProgramSpecs to the programs actually captured, compiled and signed;
+  * ``no_compile_cache``: compiled with Inductor's compile caches off (see ``aoti.EXPORT_NO_CACHE``).
+
+Modules here import torch inside functions only: the registry (and the CLI's ``--backend`` choices)
+must not pull in torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from kvtrace.spec.manifest import Manifest
+
+__all__ = ["Backend"]
+
+T = TypeVar("T")
+Program = Callable[..., Any]  # (tokens, input_pos, [key_pos], *inputs, *cache) -> logits [B, T, V]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One way of storing programs in an artifact. Subclasses implement ``compile``, ``members`` and
+    ``load``; the rest has defaults for a backend with one program per ProgramSpec."""
+
+    name: str
+    summary: str  # one line for help texts: what this backend's programs are
+    native_code: bool = False
+    packs_weights: bool = False
+    one_program: bool = False
+    no_compile_cache: bool = False
+
+    # --- export ------------------------------------------------------------------------------------
+    def compiled(self, programs: Mapping[str, T]) -> dict[str, T]:
+        """ProgramSpec name -> X, as compiled program name -> X: what gets captured, compiled and signed
+        (the manifest's ``signatures`` keys). Default: one compiled program per ProgramSpec."""
+        return dict(programs)
+
+    def check_programs(self, names: Sequence[str], model: str) -> None:
+        """Raise UsageError, before any capture, if this backend cannot serve a decoder declaring ``names``."""
+
+    @property
+    def compile_label(self) -> str:
+        """What ``compile`` does, for progress output."""
+        return f"compiling programs ({self.name})"
+
+    def compile(self, eps: dict[str, torch.export.ExportedProgram], dtype: torch.dtype) -> dict[str, bytes]:
+        """Captured programs (keyed as ``compiled`` keys them) -> artifact member name -> bytes."""
+        raise NotImplementedError
+
+    # --- load --------------------------------------------------------------------------------------
+    def members(self, programs: Iterable[str]) -> set[str]:
+        """The artifact members holding the programs of an artifact whose manifest lists ``programs``."""
+        raise NotImplementedError
+
+    def check_manifest(self, path: Path, manifest: Manifest) -> None:
+        """Backend-specific consistency of a manifest, checked before any member is parsed."""
+
+    def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
+             weights: dict[str, torch.Tensor]) -> dict[str, Program]:
+        """ProgramSpec name -> callable, from the (hash-checked) ``blobs`` and ``weights`` (checked against the
+        manifest's weight table). Raises ArtifactError when a program disagrees with the manifest."""
+        raise NotImplementedError
