@@ -46,7 +46,7 @@ _LAZY = {
     "export": "kvtrace.artifact.export",
     "load": "kvtrace.artifact.archive",
     "Artifact": "kvtrace.artifact.archive",
-    "Manifest": "kvtrace.artifact.archive",
+    "Manifest": "kvtrace.spec.manifest",
     # running: sessions and generation
     "Session": "kvtrace.runtime.session",
     "Snapshot": "kvtrace.runtime.session",
@@ -117,7 +117,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from kvtrace.artifact.archive import Artifact, Manifest, load
+    from kvtrace.artifact.archive import Artifact, load
     from kvtrace.artifact.export import export
     from kvtrace.runtime.generate import (
         Chunk,
@@ -132,6 +132,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.runtime.session import Session, Snapshot
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
     from kvtrace.spec.decoder import Decoder
+    from kvtrace.spec.manifest import Manifest
     from kvtrace.spec.program import InputSpec, ProgramSpec
     from kvtrace.tools.lint import Finding, LintReport, lint
     from kvtrace.tools.runners import EagerRunner, JitRunner, Prompt, Runner, SessionRunner

@@ -70,7 +70,6 @@ __all__ = ["CallKey", "JitStats", "JittedModel", "jit"]
 
 log = logging.getLogger("kvtrace")
 
-BACKENDS = ("inductor", "eager")
 # Programs one key may hold (one per region of lengths the model's code tells apart, see _capture); past
 # that the model's graph depends on the lengths themselves, and each new length would need a new capture.
 _MAX_PROGRAMS = 8
@@ -334,15 +333,23 @@ class JittedModel:
         return ep, contract
 
     def _compile(self, ep: torch.export.ExportedProgram, key: CallKey) -> Callable[..., Any]:
-        if self.backend == "eager":
-            # Capture uses example sizes >= 2 (torch.export specialises 0 and 1), so the exported range
-            # of a *derived* size such as the mask length P + T reads ">= 4". That bound is an artifact
-            # of the examples, not of the graph: the prologue checks the real invariants (mask = P + T,
-            # T >= 1), and tests run T = 1, P = 1 and P = 0 against eager. So call the graph itself,
-            # without the example-derived input-range hooks (AOTInductor has none either). Everything else
-            # the trace assumed (guards, baked sizes, equal sizes, range upper bounds) is the program's
-            # Contract, which __call__ checks for both backends before running it.
-            return ep.module(check_guards=False).forward
+        return _COMPILERS[self.backend](self, ep)
+
+    def _run_graph(self, ep: torch.export.ExportedProgram) -> Callable[..., Any]:
+        """backend="eager": the exported graph itself.
+
+        Capture uses example sizes >= 2 (torch.export specialises 0 and 1), so the exported range of a
+        *derived* size such as the mask length P + T reads ">= 4". That bound is an artifact of the
+        examples, not of the graph: the prologue checks the real invariants (mask = P + T, T >= 1), and
+        tests run T = 1, P = 1 and P = 0 against eager. So call the graph itself, without the
+        example-derived input-range hooks (AOTInductor has none either). Everything else the trace assumed
+        (guards, baked sizes, equal sizes, range upper bounds) is the program's Contract, which __call__
+        checks for both backends before running it.
+        """
+        return ep.module(check_guards=False).forward
+
+    def _aoti(self, ep: torch.export.ExportedProgram) -> Callable[..., Any]:
+        """backend="inductor": the graph compiled with AOTInductor into a fresh file."""
         from kvtrace.backends.aoti import aoti_compile
 
         if self._workdir is None:
@@ -357,6 +364,14 @@ class JittedModel:
             written = _written(call.key)
             hfc.write_back_dynamic(call.cache, {i: (outs[1 + 2 * j], outs[2 + 2 * j]) for j, i in enumerate(written)})
         return hfc.make_output(self.model, logits, call.cache, call.return_dict)
+
+
+# jit's own backends (in-process; artifact backends live in kvtrace.backends): name -> how a capture runs
+_COMPILERS: dict[str, Callable[[JittedModel, torch.export.ExportedProgram], Callable[..., Any]]] = {
+    "inductor": JittedModel._aoti,
+    "eager": JittedModel._run_graph,
+}
+BACKENDS = tuple(_COMPILERS)
 
 
 def _causal_slice_waiver(key: CallKey, past: set[int]) -> Callable[[Any], bool] | None:

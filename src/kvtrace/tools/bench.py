@@ -42,7 +42,7 @@ from kvtrace.tools.bench_render import COLUMNS, plot, render, render_markdown
 
 __all__ = ["COLUMNS", "BenchResult", "measure_bandwidth", "plot", "render", "render_markdown", "run_bench"]
 
-IN_PROCESS = ("hf-eager", "hf-compile", "jit")  # bench's own, on the model object; then every artifact backend
+BASELINE = "hf-eager"  # the yardstick for ratios and token identity
 
 
 def _artifact_backends() -> tuple[str, ...]:
@@ -153,26 +153,40 @@ def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     return copy.deepcopy(model).to(dtype)
 
 
+def _hf_eager(model: torch.nn.Module, max_seq_len: int) -> _Stepper:
+    return _hf_stepper(model, model, None)
+
+
+def _hf_compile(model: torch.nn.Module, max_seq_len: int) -> _Stepper:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    s = _hf_stepper(model, compiled, max_seq_len)
+    s.recompiles = lambda: max(torch._dynamo.utils.counters["stats"]["unique_graphs"] - 1, 0)
+    return s
+
+
+def _jit(model: torch.nn.Module, max_seq_len: int) -> _Stepper:
+    from kvtrace.runtime.jit import jit
+
+    jm = jit(model)
+    s = _hf_stepper(model, jm, None)
+    s.recompiles = lambda: max(jm.stats.captures - 2, 0)
+    return s
+
+
+# bench's own backends, run on the model object in this process; then every artifact backend (kvtrace.backends)
+IN_PROCESS: dict[str, Callable[[torch.nn.Module, int], _Stepper]] = {
+    BASELINE: _hf_eager, "hf-compile": _hf_compile, "jit": _jit,
+}
+
+
 def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str,
           load_session: bool = True) -> _Stepper:
     """The backend ready to run; for artifact backends with ``load_session=False``, only the built file."""
-    if backend == "hf-eager":
-        return _hf_stepper(model, model, None)
-    if backend == "hf-compile":
-        import torch._dynamo
-
-        torch._dynamo.reset()
-        compiled = torch.compile(model)
-        s = _hf_stepper(model, compiled, max_seq_len)
-        s.recompiles = lambda: max(torch._dynamo.utils.counters["stats"]["unique_graphs"] - 1, 0)
-        return s
-    if backend == "jit":
-        from kvtrace.runtime.jit import jit
-
-        jm = jit(model)
-        s = _hf_stepper(model, jm, None)
-        s.recompiles = lambda: max(jm.stats.captures - 2, 0)
-        return s
+    if backend in IN_PROCESS:
+        return IN_PROCESS[backend](model, max_seq_len)
     from kvtrace.artifact.archive import load
     from kvtrace.artifact.export import export
 
@@ -326,8 +340,8 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     bad = sorted(set(backends) - set(known))
     if bad:
         raise UsageError(f"unknown backends {bad}; choose from {list(known)}")
-    if "hf-eager" not in backends:
-        backends = ("hf-eager", *backends)  # the yardstick for ratios and token identity
+    if BASELINE not in backends:
+        backends = (BASELINE, *backends)
     results: list[BenchResult] = []
     with _threads(threads), torch.inference_mode():
         bw = measure_bandwidth()
@@ -386,7 +400,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     if s.artifact is not None:
                         r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
                     s.close()
-                    if b == "hf-eager":
+                    if b == BASELINE:
                         ref_tokens = r.tokens
                     if ref_tokens is not None:
                         mism = [i for i, (a, c) in enumerate(zip(r.tokens, ref_tokens, strict=False)) if a != c]
@@ -395,7 +409,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     per_tok = _bytes_per_token(m, plen + new_tokens // 2)
                     r.bound_fraction = round(r.decode_tok_s * per_tok / (bw * 1e9), 3)
                     results.append(r)
-                eager = next((x for x in results if x.backend == "hf-eager" and x.dtype == dtype
+                eager = next((x for x in results if x.backend == BASELINE and x.dtype == dtype
                               and x.prompt_len == plen and not x.error), None)
                 for x in results:
                     if eager and x.dtype == dtype and x.prompt_len == plen and not x.error:
