@@ -16,7 +16,9 @@ from typing import Any
 import torch
 
 from kvtrace._errors import UnsupportedError
+from kvtrace.cache import full
 from kvtrace.cache import hf as hfc
+from kvtrace.cache.kinds import kind_of
 from kvtrace.models.registry import Family
 from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
@@ -34,12 +36,12 @@ def hf_cache_spec(config: Any, *, max_seq_len: int, batch_size: int, dtype: torc
     hfconfig.check_max_seq_len(cfg, max_seq_len)
     window = hfconfig.sliding_window(cfg)
     n_kv, head_dim = hfconfig.kv_heads(cfg), hfconfig.head_dim(cfg)
-    full = LayerSpec(LayerKind.FULL, n_kv, head_dim, max_seq_len)
+    every = LayerSpec(LayerKind.FULL, n_kv, head_dim, max_seq_len)
     sliding = window is not None and window < max_seq_len
-    ring = LayerSpec(LayerKind.SLIDING, n_kv, head_dim, window, window=window) if sliding else full
+    ring = LayerSpec(LayerKind.SLIDING, n_kv, head_dim, window, window=window) if sliding else every
     types = hfconfig.layer_types(cfg)
     return CacheSpec(
-        layers=tuple(ring if t == hfconfig.SLIDING_ATTENTION else full for t in types),
+        layers=tuple(ring if t == hfconfig.SLIDING_ATTENTION else every for t in types),
         batch_size=batch_size,
         max_seq_len=max_seq_len,
         dtype=str(dtype).removeprefix("torch."),
@@ -64,7 +66,7 @@ class HFDecoder(torch.nn.Module):
         self.model = model
         self.cache_spec = hf_cache_spec(cfg, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
         window = hfconfig.sliding_window(cfg)
-        if any(layer.kind is not LayerKind.FULL for layer in self.cache_spec.layers):
+        if any(kind_of(layer) is not full.OPS for layer in self.cache_spec.layers):
             raise UnsupportedError(
                 f"{cfg.model_type} uses a sliding window of {window} < max_seq_len {max_seq_len}; the general HF "
                 f"decoder runs full-attention caches only. Export with --max-seq-len <= {window}."

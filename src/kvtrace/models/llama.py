@@ -30,10 +30,11 @@ from torch import nn
 
 from kvtrace._errors import UnsupportedError
 from kvtrace.cache import full, sliding
+from kvtrace.cache.kinds import kind_of
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.registry import Family
 from kvtrace.spec import config as hfconfig
-from kvtrace.spec.cache import CacheSpec, LayerKind
+from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import DEFAULT_PROGRAMS, ProgramSpec
 
 __all__ = ["FAMILY", "LlamaArgs", "LlamaDecoder", "supports"]
@@ -169,7 +170,7 @@ class LlamaDecoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", rope_cos, persistent=True)  # [S_max, D]
         self.register_buffer("rope_sin", rope_sin, persistent=True)
-        self._rings = tuple(layer.kind is LayerKind.SLIDING for layer in spec.layers)
+        self._rings = tuple(kind_of(layer) is sliding.OPS for layer in spec.layers)  # attention over a ring
         live = spec.max_seq_len >= MIN_LIVE_PREFIX and not all(self._rings)  # some layer reads a live prefix
         self.programs = LIVE_PROGRAMS if live else DEFAULT_PROGRAMS
 
