@@ -4,6 +4,7 @@ planted ring faults fail verify."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -75,6 +76,17 @@ def test_exported_rings_match_eager_beyond_twice_the_window(arch, built):
     for name, signature in art.manifest.signatures.items():  # ... and from each program's signature
         assert [i["shape"][2] for i in signature[-2 * len(kinds):]] == [s for s in slots for _ in "kv"], name
     _assert_exact_beyond_the_window(arch, model, art, "exported")
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_bf16_rings_pass_with_the_fp32_reference(arch, tmp_path):
+    low = tiny_model(arch, torch.bfloat16, **MODELS[arch][0])
+    high = copy.deepcopy(low).float()
+    kvtrace.export(low, tmp_path / "m.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported")
+    report = verify(EagerRunner(low), [SessionRunner(kvtrace.load(tmp_path / "m.kvt").session(), "exported")],
+                    PROMPTS, steps=STEPS, dtype=torch.bfloat16, fp32=EagerRunner(high, "fp32"))
+    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
+    assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
 
 
 @pytest.mark.compile
