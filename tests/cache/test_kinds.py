@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from kvtrace._errors import UnsupportedError, UsageError
-from kvtrace.cache import cross, full, kinds
+from kvtrace.cache import cross, full, kinds, sliding
 from kvtrace.cache import hf as hfc
 from kvtrace.runtime.session import Session
 from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
@@ -23,13 +23,16 @@ def _spec(extra_first: tuple[BufferSpec, ...] = ()) -> CacheSpec:
                      extra=(*extra_first, *cross.extra_buffers(B, N, "float32")))
 
 
-def test_the_lookup_finds_each_kind_and_refuses_one_without_a_module():
+def test_the_lookup_finds_each_kind_and_refuses_one_without_a_module(monkeypatch):
     assert kinds.ops(LayerKind.FULL) is full.OPS and kinds.ops("cross") is cross.OPS
     assert kinds.kind_of(LayerSpec(LayerKind.CROSS, H, D, N)) is cross.OPS
+    assert kinds.ops(LayerKind.SLIDING) is sliding.OPS
     assert kinds.ops_for_label(full.SELF) is full.OPS
     assert kinds.ops_for_label(cross.CROSS_FILLED) is kinds.ops_for_label(cross.CROSS_EMPTY) is cross.OPS
+    assert kinds.ops_for_label(sliding.SLIDING) is sliding.OPS
+    monkeypatch.delitem(kinds._MODULES, LayerKind.SLIDING)  # a kind without a module (ops.__wrapped__: uncached)
     with pytest.raises(UnsupportedError, match="'sliding' has no implementation"):
-        kinds.ops(LayerKind.SLIDING)
+        kinds.ops.__wrapped__(LayerKind.SLIDING)
     with pytest.raises(UnsupportedError, match="unknown cache layer state 'ring'"):
         kinds.ops_for_label("ring")
 
@@ -84,10 +87,10 @@ def test_session_rewind_asks_the_kind(monkeypatch):
     with pytest.raises(UnsupportedError, match=r"rewind is undefined for cache layers of kind \['full'\]"):
         s.rewind(1)
     assert s.position == 2
-    sliding = CacheSpec(layers=(LayerSpec(LayerKind.SLIDING, 1, 2, 4, window=4),), batch_size=1, max_seq_len=8,
-                        dtype="float32")
-    with pytest.raises(UnsupportedError, match="sliding"):
-        Session(sliding, _noop, _noop).rewind(0)
+    ring = CacheSpec(layers=(LayerSpec(LayerKind.SLIDING, 1, 2, 4, window=4),), batch_size=1, max_seq_len=8,
+                     dtype="float32")
+    with pytest.raises(UnsupportedError, match=r"kind \['sliding'\]; use snapshot\(\)/restore\(\)"):
+        Session(ring, _noop, _noop).rewind(0)
 
 
 def test_shared_cross_state_is_found_by_name_not_position():

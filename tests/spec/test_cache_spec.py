@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from kvtrace._errors import ArtifactError, UnsupportedError, UsageError
+from kvtrace._errors import ArtifactError, UsageError
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.spec.cache import LAYOUT, BufferSpec, CacheSpec, LayerKind, LayerSpec
 from kvtrace.spec.tolerances import close, tolerance_for
@@ -161,11 +161,16 @@ def test_hf_cache_spec_matches_the_config():
         hf_cache_spec(cfg, max_seq_len=600, batch_size=1, dtype=torch.float32)
 
 
-def test_hf_cache_spec_refuses_a_sliding_window_shorter_than_the_cache():
+def test_hf_cache_spec_declares_a_window_shorter_than_the_cache_as_a_ring():
     from conftest import tiny_model
 
     cfg = tiny_model("mistral").config
     cfg.sliding_window = 16
-    with pytest.raises(UnsupportedError, match="16 < max_seq_len 32"):
-        hf_cache_spec(cfg, max_seq_len=32, batch_size=1, dtype=torch.float32)
-    assert hf_cache_spec(cfg, max_seq_len=16, batch_size=1, dtype=torch.float32).max_seq_len == 16
+    spec = hf_cache_spec(cfg, max_seq_len=32, batch_size=1, dtype=torch.float32)
+    assert [(x.kind, x.max_len, x.window) for x in spec.layers] == [(LayerKind.SLIDING, 16, 16)] * 2
+    assert spec.buffers()[0].shape[2] == 16 and spec.max_seq_len == 32  # window slots; positions still bounded
+    same = hf_cache_spec(cfg, max_seq_len=16, batch_size=1, dtype=torch.float32)  # the window covers everything
+    assert same.max_seq_len == 16 and {x.kind for x in same.layers} == {LayerKind.FULL}
+    hybrid = tiny_model("qwen2", sliding_window=8, use_sliding_window=True, max_window_layers=1).config
+    spec = hf_cache_spec(hybrid, max_seq_len=32, batch_size=1, dtype=torch.float32)
+    assert [(x.kind, x.max_len) for x in spec.layers] == [(LayerKind.FULL, 32), (LayerKind.SLIDING, 8)]

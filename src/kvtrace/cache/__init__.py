@@ -2,7 +2,8 @@
 
 ``kinds`` (the ``KindOps`` protocol and the lookup ``ops(kind)`` / ``kind_of(layer_spec)``), one module per
 kind: ``full`` (self-attention, one slot per position), ``cross`` (cross-attention to N image tokens,
-filled once by the image prefill, and the ``cross.mask``/``cross.active`` state its layers share). Each
+filled once by the image prefill, and the ``cross.mask``/``cross.active`` state its layers share),
+``sliding`` (a ring of ``window`` slots, position p in slot p % window, and the mask its attention uses). Each
 says its buffers, how a program writes it, which slots are valid at a position, whether rewind is defined,
 whether decode writes it, and how a transformers cache layer of that kind maps to it. ``hf`` maps
 transformers' cache objects (DynamicCache, StaticCache, EncoderDecoderCache) to and from flat tensors,

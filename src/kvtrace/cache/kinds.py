@@ -1,6 +1,6 @@
 """The cache-kind protocol: what every ``LayerKind`` says about its own K/V buffers, and the lookup.
 
-One module per kind (``full``, ``cross``; sliding-window and quantized kinds go the same way) defines a
+One module per kind (``full``, ``cross``, ``sliding``; quantized kinds go the same way) defines a
 ``KindOps`` subclass and an instance ``OPS``; ``ops(kind)`` finds it. Nothing outside ``spec`` and
 ``cache`` tests ``layer.kind is LayerKind.X``: it asks the kind.
 
@@ -38,6 +38,7 @@ IMAGE = "N_c"  # cached image tokens, one N_c for every such layer
 _MODULES: dict[LayerKind, str] = {
     LayerKind.FULL: "kvtrace.cache.full",
     LayerKind.CROSS: "kvtrace.cache.cross",
+    LayerKind.SLIDING: "kvtrace.cache.sliding",
 }
 
 

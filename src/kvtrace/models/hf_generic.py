@@ -3,6 +3,9 @@
 ``HFDecoder`` adapts a HuggingFace causal LM: it hands the model a ``StaticCache`` whose tensors are
 the state buffers and whose write offset is ``input_pos[0]``; HF's causal mask (by position) hides
 every slot at or beyond the current position, so stale slots after ``rewind`` are never read.
+``hf_cache_spec`` declares the cache of any such config, sliding-window layers (``layer_types``) as
+SLIDING rings of ``window`` slots; HFDecoder itself runs full-attention caches only and refuses the rings
+(LlamaDecoder runs them).
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ from typing import Any
 import torch
 
 from kvtrace._errors import UnsupportedError
+from kvtrace.cache import full
 from kvtrace.cache import hf as hfc
+from kvtrace.cache.kinds import kind_of
 from kvtrace.models.registry import Family
 from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
@@ -24,18 +29,19 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
 
 def hf_cache_spec(config: Any, *, max_seq_len: int, batch_size: int, dtype: torch.dtype) -> CacheSpec:
-    """Derive the CacheSpec of an HF decoder config (full-attention layers only, for now)."""
+    """Derive the CacheSpec of an HF decoder config, one layer per ``layer_types`` entry: a
+    ``sliding_attention`` layer whose window is shorter than max_seq_len is a SLIDING ring of ``window``
+    slots; every other layer (and a window >= max_seq_len, which changes nothing) is FULL."""
     cfg = hfconfig.text_config(config)
-    window = hfconfig.sliding_window(cfg)
-    if window and window < max_seq_len:
-        raise UnsupportedError(
-            f"{cfg.model_type} uses a sliding window of {window} < max_seq_len {max_seq_len}; "
-            f"sliding-window caches are not supported yet. Export with --max-seq-len <= {window}."
-        )
     hfconfig.check_max_seq_len(cfg, max_seq_len)
-    layer = LayerSpec(LayerKind.FULL, hfconfig.kv_heads(cfg), hfconfig.head_dim(cfg), max_seq_len)
+    window = hfconfig.sliding_window(cfg)
+    n_kv, head_dim = hfconfig.kv_heads(cfg), hfconfig.head_dim(cfg)
+    every = LayerSpec(LayerKind.FULL, n_kv, head_dim, max_seq_len)
+    sliding = window is not None and window < max_seq_len
+    ring = LayerSpec(LayerKind.SLIDING, n_kv, head_dim, window, window=window) if sliding else every
+    types = hfconfig.layer_types(cfg)
     return CacheSpec(
-        layers=(layer,) * cfg.num_hidden_layers,
+        layers=tuple(ring if t == hfconfig.SLIDING_ATTENTION else every for t in types),
         batch_size=batch_size,
         max_seq_len=max_seq_len,
         dtype=str(dtype).removeprefix("torch."),
@@ -59,6 +65,12 @@ class HFDecoder(torch.nn.Module):
         dtype = next(model.parameters()).dtype
         self.model = model
         self.cache_spec = hf_cache_spec(cfg, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
+        window = hfconfig.sliding_window(cfg)
+        if any(kind_of(layer) is not full.OPS for layer in self.cache_spec.layers):
+            raise UnsupportedError(
+                f"{cfg.model_type} uses a sliding window of {window} < max_seq_len {max_seq_len}; the general HF "
+                f"decoder runs full-attention caches only. Export with --max-seq-len <= {window}."
+            )
         self._cache_kw = hfc.cache_kwarg_name(model)
         # A structural template; its tensors are replaced by the state inputs on every call.
         template = StaticCache(config=cfg, max_cache_len=max_seq_len)

@@ -1,6 +1,6 @@
 """LlamaDecoder: a small, direct Llama-family decoder over a declared static cache (gpt-fast style).
 
-Built from an HF model's weights and config (Llama, SmolLM2, Qwen2, Mistral without sliding window);
+Built from an HF model's weights and config (Llama, SmolLM2, Qwen2, Mistral, with or without a sliding window);
 verified against the HF model by ``kvtrace verify``. It exists because a lean graph compiles to a
 lean program: q/k/v and gate/up projections are fused into one matmul each, RoPE is a table lookup
 by ``input_pos``, and the cache is written with one ``index_copy_`` per tensor.
@@ -9,10 +9,14 @@ Decoder contract (see spec/decoder.py)::
 
     forward(tokens [B, T], input_pos [T], k0, v0, k1, v1, ...) -> logits [B, T, V]
     k_i, v_i: [B, H_kv, S, D], written in place at input_pos
+    (a SLIDING layer: S = window, a ring written at input_pos % window, see cache/sliding.py)
 
 The exported programs use ``forward_live(tokens, input_pos, key_pos [L], *state)``: the same, but
 attention reads only the live prefix ``[0, L)`` of each cache (L symbolic), so a short conversation
-does not pay for max_seq_len (see ``ProgramSpec.key_pos``).
+does not pay for max_seq_len (see ``ProgramSpec.key_pos``). Sliding-window layers (Mistral's
+``sliding_window``, Qwen2's ``use_sliding_window`` layers) attend over their ring plus the call's own keys,
+masked by each slot's position (``sliding.attention_inputs``); a cache of sliding layers only exports
+``forward``.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import full
+from kvtrace.cache import full, sliding
+from kvtrace.cache.kinds import kind_of
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.registry import Family
 from kvtrace.spec import config as hfconfig
@@ -65,8 +70,6 @@ def supports(config: Any) -> bool:
     cfg = hfconfig.text_config(config)
     if cfg.model_type not in MODEL_TYPES or getattr(cfg, "hidden_act", "silu") != "silu":
         return False
-    if hfconfig.sliding_window(cfg):
-        return False
     if getattr(cfg, "mlp_bias", False) or (cfg.model_type == "llama" and getattr(cfg, "attention_bias", False)):
         return False
     return hfconfig.rope_type(cfg) not in LENGTH_DEPENDENT_ROPE
@@ -93,11 +96,13 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         key_pos: torch.Tensor | None = None) -> torch.Tensor:
+                         key_pos: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
     """One pre-norm decoder layer: attention over the cache (written at input_pos), then the SwiGLU MLP.
 
     x [B, T, dim]; cos/sin [T, D]; k_cache/v_cache [B, H_kv, S, D]; mask [T, S] (True = visible), or
     with ``key_pos [L]`` (the live prefix 0..L-1) mask [T, L] and the attention reads those L slots only.
+    ``ring``: a SLIDING layer (S = window): attention over the ring plus the new keys with the mask of
+    ``sliding.attention_inputs`` (``mask``/``key_pos`` unused), then the ring write.
     """
     b, t, _ = x.shape
     q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -106,6 +111,12 @@ def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos
     q = _rope(q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H, T, D]
     k = _rope(k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
     v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+    if ring:
+        keys, values, ring_mask = sliding.attention_inputs(k_cache, v_cache, input_pos, k, v)  # [B, H_kv, W + T, D]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, enable_gqa=True)  # [B, H, T, D]
+        sliding.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos % W
+        x = x + layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
+        return x + swiglu(layer, _rms_norm(x, layer.ffn_norm, a.norm_eps))
     full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
     if key_pos is None:
         o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
@@ -159,7 +170,9 @@ class LlamaDecoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", rope_cos, persistent=True)  # [S_max, D]
         self.register_buffer("rope_sin", rope_sin, persistent=True)
-        self.programs = LIVE_PROGRAMS if spec.max_seq_len >= MIN_LIVE_PREFIX else DEFAULT_PROGRAMS
+        self._rings = tuple(kind_of(layer) is sliding.OPS for layer in spec.layers)  # attention over a ring
+        live = spec.max_seq_len >= MIN_LIVE_PREFIX and not all(self._rings)  # some layer reads a live prefix
+        self.programs = LIVE_PROGRAMS if live else DEFAULT_PROGRAMS
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         """Attention over all max_seq_len cache slots (stale ones masked by position)."""
@@ -179,7 +192,8 @@ class LlamaDecoder(nn.Module):
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
         mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
         for i, layer in enumerate(self.layers):
-            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, state[2 * i], state[2 * i + 1], key_pos)
+            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, state[2 * i], state[2 * i + 1], key_pos,
+                                     ring=self._rings[i])
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
         return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T or 1, V]
@@ -245,5 +259,5 @@ def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens:
                                                      dtype=dtype))
 
 
-# Plain Llama-family configs (Llama, SmolLM2, Qwen2, Mistral without sliding window): before the general HFDecoder.
+# Plain Llama-family configs (Llama, SmolLM2, Qwen2, Mistral; sliding windows as rings): before the general HFDecoder.
 FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20)

@@ -2,9 +2,10 @@
 
 reset, prefill (token ids plus the named inputs of a prompt, e.g. a vision decoder's
 ``cross_attention_states``), decode, and ``cache()`` — the valid part of every layer's K and V:
-``[B, H_kv, P, D]`` for self-attention layers, ``[B, H_kv, N, D]`` for cross-attention layers holding N
-image tokens, None for a layer that holds nothing (a cross-attention layer in a text-only run, as eager
-leaves it). ``EagerRunner`` (the HF model, the reference), ``JitRunner`` (the same calls through
+``[B, H_kv, P, D]`` for self-attention layers (sliding-window layers: the last min(P, window - 1)
+positions, as transformers' DynamicSlidingWindowLayer holds them), ``[B, H_kv, N, D]`` for cross-attention
+layers holding N image tokens, None for a layer that holds nothing (a cross-attention layer in a text-only
+run, as eager leaves it). ``EagerRunner`` (the HF model, the reference), ``JitRunner`` (the same calls through
 ``kvtrace.jit``), ``SessionRunner`` (an artifact Session), ``Unavailable`` (a candidate that could not be
 built); ``Prompt`` (token ids and named prefill inputs).
 """
@@ -18,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from kvtrace.cache.hf import cache_kwarg_name
+from kvtrace.spec import config as hfconfig
 
 __all__ = ["EagerRunner", "JitRunner", "LayerKV", "Prompt", "Runner", "SessionRunner", "Unavailable"]
 
@@ -60,7 +62,10 @@ class EagerRunner:
     def reset(self) -> None:
         from transformers import DynamicCache
 
-        self._cache = DynamicCache()
+        # With a window, HF's own sliding layers (the last window - 1 tokens), as generate() builds them: what a
+        # ring's valid slots are compared with. Without one, a plain DynamicCache, as before.
+        sliding = hfconfig.sliding_window(self.model.config)
+        self._cache = DynamicCache(config=self.model.config) if sliding else DynamicCache()
         self._mask: torch.Tensor | None = None
         self._cross_row: torch.Tensor | None = None  # [B, 1, N] 0/1: what tokens after the image see
 

@@ -1,0 +1,107 @@
+"""LayerKind.SLIDING: self-attention over the last ``window`` positions, held in a ring of ``window`` slots.
+
+    k, v: [B, H_kv, W, D]   W = window; position p lives in slot p % W
+
+A query at position q sees the keys at positions q - W < p <= q: the previous W - 1 tokens and itself
+(transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``, on top of the causal mask).
+
+Positions only move forward (``rewindable`` is False), so what a slot holds is a function of the position
+alone, kept in no buffer: before a call starting at position P, slot s holds position
+``P - 1 - ((P - 1 - s) mod W)`` when that is >= 0, and nothing otherwise (``slot_positions``). A call of T
+tokens attends over the ring as it was plus its own T keys (``attention_inputs``: ``[B, H_kv, W + T, D]``,
+masked by ``visible``), then ``write`` stores them: each slot gets the latest of the call's rows that maps
+to it, so a prefill longer than the window keeps its last W tokens (every row is written, duplicates with
+the same value: no data-dependent branch, T symbolic).
+
+``valid`` at position P: the last ``min(P, W - 1)`` positions in position order, which is exactly what
+transformers' ``DynamicSlidingWindowLayer`` keeps (``[-sliding_window + 1:]``); the ring's one further slot,
+position P - W, is never read again (the next query, at P, sees P - W + 1 .. P). verify compares those
+slots one for one with eager's layer.
+
+transformers' sliding cache layers (``DynamicSlidingWindowLayer``) get label ``"sliding"``; running them
+through ``kvtrace.jit`` is not implemented yet, so the other HF-mapping answers refuse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvtrace._errors import UnsupportedError
+from kvtrace.cache.kinds import KindOps
+from kvtrace.spec.cache import LayerKind
+
+__all__ = ["OPS", "SLIDING", "SlidingOps", "attention_inputs", "slot_positions", "visible"]
+
+SLIDING = "sliding"  # HF layer-pattern label: a DynamicSlidingWindowLayer
+
+
+def slot_positions(start: torch.Tensor, window: int) -> torch.Tensor:
+    """The position each ring slot holds before a call starting at ``start`` (0-d int64) -> [W] int64,
+    negative where the slot holds nothing yet."""
+    last = start - 1
+    return last - torch.remainder(last - torch.arange(window, device=start.device), window)
+
+
+def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """query_pos [T], key_pos [K] -> mask [T, K], True where the query sees the key (HF's sliding window)."""
+    q, k = query_pos[:, None], key_pos[None, :]
+    return (k >= 0) & (k <= q) & (k > q - window)
+
+
+def attention_inputs(k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What a call's queries attend over, read before ``write``: the ring [B, H_kv, W, D] and the call's own
+    k, v [B, H_kv, T, D] -> keys, values [B, H_kv, W + T, D] and mask [T, W + T] (True = visible)."""
+    window = k_cache.shape[2]
+    key_pos = torch.cat([slot_positions(input_pos[0], window), input_pos])  # [W + T]
+    mask = visible(input_pos, key_pos, window)
+    return torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2), mask
+
+
+class SlidingOps(KindOps):
+    kind = LayerKind.SLIDING
+    rewindable = False  # a rewound slot may already hold a later position; use snapshot()/restore()
+    written_by_decode = True
+    hf_labels = (SLIDING,)
+
+    def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """k, v [B, H_kv, T, D] at positions ``input_pos [T]`` into slots ``input_pos % W`` of the ring
+        [B, H_kv, W, D]. Row r is replaced by the last row with the same slot (r + W * ((T - 1 - r) // W)),
+        so slots written twice (T > W) get one value whatever the order: the last W tokens."""
+        window, t = k_cache.shape[2], k.shape[2]
+        r = torch.arange(t, device=input_pos.device)
+        latest = r + window * torch.div(t - 1 - r, window, rounding_mode="floor")  # [T]
+        slots = torch.remainder(input_pos, window)
+        k_cache.index_copy_(2, slots, k.index_select(2, latest))
+        v_cache.index_copy_(2, slots, v.index_select(2, latest))
+
+    def valid(self, k: torch.Tensor, v: torch.Tensor, position: int,
+              prefilled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``position - min(position, W - 1) .. position - 1`` in order: [B, H_kv, <= W - 1, D],
+        as transformers' DynamicSlidingWindowLayer holds them."""
+        window = k.shape[2]
+        n = min(position, window - 1)
+        slots = torch.arange(position - n, position, device=k.device) % window
+        return k.index_select(2, slots), v.index_select(2, slots)
+
+    def hf_label(self, cache: Any, i: int) -> str:
+        return SLIDING
+
+    def _no_jit(self) -> UnsupportedError:
+        return UnsupportedError("kvtrace.jit does not run transformers' sliding-window cache layers yet; "
+                                "pass fallback='eager', or export the model (sliding layers export as ring buffers)")
+
+    def hf_held(self, label: str, has_past: bool) -> bool:
+        raise self._no_jit()
+
+    def hf_written(self, label: str, image: bool) -> bool:
+        raise self._no_jit()
+
+    def hf_length(self, label: str) -> str | None:
+        raise self._no_jit()
+
+
+OPS = SlidingOps()
