@@ -110,3 +110,24 @@ def write_gguf(
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+# planted faults shared by the jit-trust and lint tests: forwards that a capture at one length gets wrong
+class BranchOnLength(tf.LlamaForCausalLM):
+    """Takes a Python branch on the prompt length: a capture at one length is wrong at another."""
+
+    def forward(self, input_ids=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        if input_ids.shape[1] > 4:
+            out.logits = out.logits * 2
+        return out
+
+
+class BakedLength(tf.LlamaForCausalLM):
+    """Turns the prompt length into a Python int and computes with it: the capture bakes the example's length."""
+
+    def forward(self, input_ids=None, **kwargs):
+        out = super().forward(input_ids=input_ids, **kwargs)
+        n = int(input_ids.shape[1])
+        out.logits = out.logits * n
+        return out

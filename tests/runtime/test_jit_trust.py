@@ -21,7 +21,7 @@ from transformers import DynamicCache
 import kvtrace
 import kvtrace.runtime.jit
 from conftest import TINY, tiny_model
-from helpers import assert_close
+from helpers import BakedLength, BranchOnLength, assert_close
 
 BACKENDS = ["eager", pytest.param("inductor", marks=pytest.mark.compile)]
 PROMPT, DECODES = 8, 12  # cache lengths 8 .. 19 at the decodes: every threshold below is crossed
@@ -47,26 +47,6 @@ class BranchOnSymbolicCacheLength(tf.LlamaForCausalLM):
         out = super().forward(input_ids=input_ids, cache=cache, **kwargs)
         if past > 10:
             out.logits = out.logits + 1
-        return out
-
-
-class BranchOnNewTokens(tf.LlamaForCausalLM):
-    """(b) Branches on input_ids.shape[1]: prompts longer than 4 tokens take another path than decodes."""
-
-    def forward(self, input_ids=None, **kwargs):
-        out = super().forward(input_ids=input_ids, **kwargs)
-        if input_ids.shape[1] > 4:
-            out.logits = out.logits * 2
-        return out
-
-
-class IntOfNewTokens(tf.LlamaForCausalLM):
-    """(b') Computes with int(input_ids.shape[1]): the trace bakes the example's T into the graph."""
-
-    def forward(self, input_ids=None, **kwargs):
-        out = super().forward(input_ids=input_ids, **kwargs)
-        n = int(input_ids.shape[1])
-        out.logits = out.logits * n
         return out
 
 
@@ -198,7 +178,7 @@ def test_branch_on_symbolic_cache_length_is_checked_every_call_inductor():
 # --- (b) the new-token count ----------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_branch_on_new_tokens_matches_eager(backend):
-    jm, err, _ = generation(planted(BranchOnNewTokens), backend)
+    jm, err, _ = generation(planted(BranchOnLength), backend)
     assert err is None
     assert jm.stats.captures == 2  # the prefill program is traced with the prompt's side of T > 4
     assert len(jm.stats.specializations) == 1 and "if input_ids.shape[1] > 4:" in jm.stats.specializations[0]
@@ -206,7 +186,7 @@ def test_branch_on_new_tokens_matches_eager(backend):
 
 def test_int_of_new_tokens_gets_a_program_per_token_count():
     """A baked T (int() of a size) is checked per call: one program per count, each right for its count."""
-    model = planted(IntOfNewTokens)
+    model = planted(BakedLength)
     jm, err, _ = generation(model, "eager")
     assert err is None
     assert jm.stats.captures == 2  # prefill at T = 8, decodes at T = 1: both captured with their own sizes
@@ -221,7 +201,7 @@ def test_int_of_new_tokens_gets_a_program_per_token_count():
 def test_a_key_holds_a_bounded_number_of_programs(monkeypatch):
     """Past _MAX_PROGRAMS programs for one key, the next length is refused, naming the line to change."""
     monkeypatch.setattr(kvtrace.runtime.jit, "_MAX_PROGRAMS", 2)
-    jm = kvtrace.jit(planted(IntOfNewTokens), backend="eager")
+    jm = kvtrace.jit(planted(BakedLength), backend="eager")
     for n in (5, 4):
         jm(input_ids=tokens(1, n), cache=DynamicCache())
     assert jm.stats.captures == 2

@@ -10,28 +10,9 @@ import torch
 import transformers as tf
 
 from conftest import TINY, tiny_model
+from helpers import BakedLength, BranchOnLength
 from kvtrace.cache import hf as _hf_cache
 from kvtrace.tools.lint import EXPECTED_PROGRAMS, KINDS, Finding, LintReport, lint
-
-
-class BranchOnLength(tf.LlamaForCausalLM):
-    """Takes a Python branch on the prompt length: a capture at one length is wrong at another."""
-
-    def forward(self, input_ids=None, **kwargs):
-        out = super().forward(input_ids=input_ids, **kwargs)
-        if input_ids.shape[1] > 4:
-            out.logits = out.logits * 2
-        return out
-
-
-class BakedLength(tf.LlamaForCausalLM):
-    """Turns the prompt length into a Python int and computes with it: the capture bakes the example's length."""
-
-    def forward(self, input_ids=None, **kwargs):
-        out = super().forward(input_ids=input_ids, **kwargs)
-        n = int(input_ids.shape[1])
-        out.logits = out.logits * n
-        return out
 
 
 class BranchOnPosition(tf.LlamaForCausalLM):

@@ -9,7 +9,7 @@ by every later token until ``reset()``. Both caches are declared in the CacheSpe
     cross.mask   [B, N]  1 = attend; the image-mask row that tokens after the image prefill use
     cross.active [1]     1 once image K/V are in the cache; 0 = text only (cross layers are skipped)
 
-Programs (see ``_program_spec``)::
+Programs (see ``spec.program``)::
 
     prefill       forward(tokens [B, T], input_pos [T], *state)           text tokens
     decode        forward(tokens [B, 1], input_pos [1], *state)

@@ -9,7 +9,7 @@
                with symbolic lengths (new tokens T, past P, image tokens N and N_c), run uncompiled
                (``backend="eager"``) or compiled ahead of time by AOTInductor (``backend="inductor"``,
                whose programs check no guards themselves). Before a program runs, the prologue checks its
-               ``Contract`` (``_contract``: the guards, baked sizes and equal sizes the trace recorded)
+               ``Contract`` (``capture.contract``: the guards, baked sizes and equal sizes the trace recorded)
                against the call's shapes, for both backends; a call it does not admit gets its own capture.
 3. epilogue  — write the new cache tensors back into the caller's own cache object and build the
                HF-style output (same object returned as ``out.past_key_values``).
