@@ -19,7 +19,9 @@ Models with cross-attention layers (Mllama's text decoder, ``MllamaForCausalLM``
 prepared additive mask over the X image tokens the cross layers attend) and
 ``full_text_row_masked_out_mask`` [B, 1, T, 1]. Their cache layers are not all alike: the key holds the
 layer pattern (see ``kvtrace.cache.hf``), and a program only takes and returns the layers it reads and
-writes.
+writes. Sliding-window cache layers (HF's ``DynamicSlidingWindowLayer``, as ``DynamicCache(config=...)``
+builds them for Mistral or a hybrid Qwen2) go the same way: a program takes their stored tail and P, and
+returns the new tail (``kvtrace.cache.sliding``).
 
 This module holds the three stages' driver (``JittedModel``, ``jit``) and the capture; the rest lives in
 ``jit_call`` (the prologue: ``CallKey``, size classes, the program's argument layout), ``jit_examples``
@@ -406,7 +408,8 @@ def jit(model: torch.nn.Module, *, backend: str = "inductor", fallback: str | No
     """Compile ``model.forward`` for HF-style calls with a KV cache.
 
     Args:
-        model: an HF decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, Phi-3, ...) or Mllama's text
+        model: an HF decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, Phi-3, ..., also with a sliding
+            window and its ``DynamicCache(config=model.config)``) or Mllama's text
             decoder (``MllamaForCausalLM``, with ``cross_attention_states`` / ``cross_attention_mask`` /
             ``full_text_row_masked_out_mask``), in eval mode.
         backend: ``"inductor"`` (AOTInductor-compiled programs) or ``"eager"`` (captured programs
