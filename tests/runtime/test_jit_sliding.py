@@ -37,7 +37,7 @@ def prompt(n: int) -> torch.Tensor:
     return torch.randint(3, 100, (1, n), generator=torch.Generator().manual_seed(n))
 
 
-def assert_same_cache(jc: Any, ec: Any, what: str) -> None:
+def assert_same_cache(jc: Any, ec: Any, what: str, dtype: torch.dtype = torch.float32) -> None:
     """Every layer: the same type, cumulative_length, and keys/values of the same shape and contents."""
     assert len(jc.layers) == len(ec.layers)
     for i, (a, b) in enumerate(zip(jc.layers, ec.layers, strict=True)):
@@ -46,23 +46,24 @@ def assert_same_cache(jc: Any, ec: Any, what: str) -> None:
         for name in ("keys", "values"):
             x, y = getattr(a, name), getattr(b, name)
             assert x.shape == y.shape, f"{what}: layer {i} {name} {tuple(x.shape)} vs {tuple(y.shape)}"
-            assert_close(x, y, torch.float32, f"{what}: layer {i} {name}")
+            assert_close(x, y, dtype, f"{what}: layer {i} {name}")
 
 
-def generate(model: Any, jm: Any, n_prompt: int, mask: bool = False) -> tuple[float, int]:
+def generate(model: Any, jm: Any, n_prompt: int, mask: bool = False, steps: int = STEPS) -> tuple[float, int]:
     """Prefill ``n_prompt`` tokens then STEPS greedy decode steps through ``jm`` and eagerly; the max logit
     diff and the final past length."""
     jc, ec = DynamicCache(config=model.config), DynamicCache(config=model.config)
     layers = list(jc.layers)
     ids, worst, seen = prompt(n_prompt), 0.0, 0
-    for step in range(STEPS + 1):
+    dtype = next(model.parameters()).dtype
+    for step in range(steps + 1):
         seen += ids.shape[1]
         kw = {"attention_mask": torch.ones(1, seen, dtype=torch.long)} if mask else {}
         jo = jm(input_ids=ids, past_key_values=jc, use_cache=True, **kw)
         eo = model(input_ids=ids, past_key_values=ec, use_cache=True, **kw)
         assert jo.past_key_values is jc and jc.layers == layers  # the caller's object and its layers, kept
-        worst = max(worst, assert_close(jo.logits, eo.logits, torch.float32, f"step {step} logits"))
-        assert_same_cache(jc, ec, f"step {step}")
+        worst = max(worst, assert_close(jo.logits, eo.logits, dtype, f"step {step} logits"))
+        assert_same_cache(jc, ec, f"step {step}", dtype)
         ids = eo.logits[:, -1:].argmax(-1)
     return worst, jc.get_seq_length()
 
@@ -115,6 +116,33 @@ def test_an_extend_call_past_the_window_keeps_the_last_window_tokens():
                      model(input_ids=ids, past_key_values=ec, use_cache=True).logits, torch.float32, f"T={n}")
         assert_same_cache(jc, ec, f"T={n}")
     assert jc.get_seq_length() == 19 and jc.layers[0].keys.shape[-2] == W - 1
+
+
+def test_random_chunks_batch_2_with_a_mask_match_eager_with_bounded_programs():
+    """Calls of 1..9 tokens in random order, six caches: every call equals eager, whichever side of the window."""
+    import random
+
+    model = mistral()
+    jm = kvtrace.jit(model, backend="eager")
+    rng = random.Random(0)
+    for trial in range(6):
+        jc, ec = DynamicCache(config=model.config), DynamicCache(config=model.config)
+        for call in range(6):
+            n = rng.choice([1, 2, 3, 5, 7, 9])
+            ids = torch.randint(3, 100, (2, n), generator=torch.Generator().manual_seed(10 * trial + call))
+            mask = torch.ones(2, jc.get_seq_length() + n, dtype=torch.long)
+            assert_close(jm(input_ids=ids, past_key_values=jc, attention_mask=mask).logits,
+                         model(input_ids=ids, past_key_values=ec, attention_mask=mask).logits, torch.float32,
+                         f"trial {trial} call {call} (T={n})")
+            assert_same_cache(jc, ec, f"trial {trial} call {call}")
+    assert jm.stats.calls == 36 and jm.stats.captures <= 12
+
+
+def test_bf16_mistral_decode_past_the_window():
+    model = tiny_model("mistral", dtype=torch.bfloat16, sliding_window=W)
+    jm = kvtrace.jit(model, backend="eager")
+    _, past = generate(model, jm, 11, mask=True, steps=10)
+    assert past == 21 and jm.stats.captures == 2
 
 
 def test_a_cache_recording_its_past_is_refused_and_the_caller_cache_is_untouched():
