@@ -8,6 +8,8 @@ cumulative_length and its type.
 
 from __future__ import annotations
 
+import json
+import random
 from typing import Any
 
 import pytest
@@ -16,8 +18,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 import kvtrace
-from conftest import tiny_model
+from conftest import make_tiny_hf_dir, tiny_model
 from helpers import assert_close
+from kvtrace.cli.main import main
 from kvtrace.tools.runners import EagerRunner, JitRunner
 from kvtrace.tools.verify import verify
 
@@ -120,8 +123,6 @@ def test_an_extend_call_past_the_window_keeps_the_last_window_tokens():
 
 def test_random_chunks_batch_2_with_a_mask_match_eager_with_bounded_programs():
     """Calls of 1..9 tokens in random order, six caches: every call equals eager, whichever side of the window."""
-    import random
-
     model = mistral()
     jm = kvtrace.jit(model, backend="eager")
     rng = random.Random(0)
@@ -183,3 +184,16 @@ def test_mistral_through_aoti_crosses_the_window_with_zero_recompiles_after_it()
     worst, past = generate(model, jm, 11, mask=True)
     assert past == 11 + STEPS and worst < 1e-4
     assert jm.stats.captures == 2 and jm.stats.specializations == []
+
+
+def test_the_verify_command_against_jit_eager_on_a_sliding_window_model(tmp_path, capsys):
+    """``kvtrace verify SOURCE --against jit-eager`` on a Mistral with a window (the CLI path of issue #15)."""
+    (tmp_path / "m").mkdir()
+    make_tiny_hf_dir(tmp_path / "m", model=mistral())
+    out = tmp_path / "report.json"
+    code = main(["verify", str(tmp_path / "m"), "--against", "jit-eager", "--steps", "12", "--raw",
+                 "--prompt", "hello world the cat sat hello", "--json", str(out)])
+    assert code == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["passed"] is True and len(report["rows"]) == 2 * (1 + 12)  # prompts x (prefill + steps)
+    assert max(r["position"] for r in report["rows"]) > W  # past the window
