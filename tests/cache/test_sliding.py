@@ -111,7 +111,7 @@ def test_valid_slots_are_what_hf_dynamic_sliding_window_layer_keeps():
     assert sliding.OPS.valid(k_cache, v_cache, 0, prefilled=False)[0].shape[2] == 0
 
 
-def test_rewind_is_refused_with_snapshot_suggested_and_jit_mapping_refuses():
+def test_rewind_is_refused_with_snapshot_suggested_and_the_jit_mapping_holds_the_tail():
     assert not sliding.OPS.rewindable and sliding.OPS.written_by_decode
 
     def step(tokens, input_pos, *state):
@@ -127,5 +127,7 @@ def test_rewind_is_refused_with_snapshot_suggested_and_jit_mapping_refuses():
     s.restore(snap)
     assert s.position == 3
     assert sliding.OPS.hf_label(None, 0) == sliding.SLIDING
-    with pytest.raises(UnsupportedError, match="sliding-window cache layers"):
-        sliding.OPS.hf_held(sliding.SLIDING, True)
+    # under kvtrace.jit: the stored tail is held once the cache holds past tokens, and every call rewrites it
+    assert sliding.OPS.hf_held(sliding.SLIDING, True) and not sliding.OPS.hf_held(sliding.SLIDING, False)
+    assert sliding.OPS.hf_written(sliding.SLIDING, False)
+    assert sliding.OPS.hf_length(sliding.SLIDING) == kinds.TAIL

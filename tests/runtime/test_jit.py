@@ -364,8 +364,15 @@ class SubclassedCache(DynamicCache):
     pass
 
 
+def recording_past(cache: Any) -> Any:
+    """Sliding-window layers that keep every token until ``crop`` (assisted decoding): not supported."""
+    for layer in cache.layers:
+        layer.activate_past_recording()
+    return cache
+
+
 UNSUPPORTED_CACHES = {  # QuantizedCache needs optimum-quanto or hqq, which are not installed
-    "sliding": lambda cfg: DynamicCache(config=cfg),
+    "sliding-recording-past": lambda cfg: recording_past(DynamicCache(config=cfg)),
     "offloading": lambda cfg: DynamicCache(offloading=True),
     "subclass": lambda cfg: SubclassedCache(),
     "list": lambda cfg: [],
@@ -386,7 +393,7 @@ def test_unsupported_cache_raises_with_what_is_supported(cache):
 def test_unsupported_cache_falls_back_to_eager_with_one_warning():
     cfg, model = sliding_mistral()
     jm = kvtrace.jit(model, backend="eager", fallback="eager")
-    jc, ec = DynamicCache(config=cfg), DynamicCache(config=cfg)
+    jc, ec = recording_past(DynamicCache(config=cfg)), recording_past(DynamicCache(config=cfg))
     mask = ones(1, 6)
     with pytest.warns(UserWarning, match="falls back to eager") as record:
         jo, eo = step(jm, model, jc, ec, input_ids=tokens(1, 6), attention_mask=mask)

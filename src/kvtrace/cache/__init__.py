@@ -5,7 +5,8 @@ kind: ``full`` (self-attention, one slot per position), ``cross`` (cross-attenti
 filled once by the image prefill, and the ``cross.mask``/``cross.active`` state its layers share),
 ``sliding`` (a ring of ``window`` slots, position p in slot p % window, and the mask its attention uses). Each
 says its buffers, how a program writes it, which slots are valid at a position, whether rewind is defined,
-whether decode writes it, and how a transformers cache layer of that kind maps to it. ``hf`` maps
+whether decode writes it, and how a transformers cache layer of that kind maps to it (a sliding layer:
+HF's ``DynamicSlidingWindowLayer``, held by ``kvtrace.jit`` as its stored tail). ``hf`` maps
 transformers' cache objects (DynamicCache, StaticCache, EncoderDecoderCache) to and from flat tensors,
 asking the kinds about each layer. Adding a kind: a module defining ``OPS`` and one line in
 ``kinds._MODULES``.

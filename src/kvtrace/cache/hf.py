@@ -15,6 +15,10 @@ A captured program never sees an HF cache object from the caller. It sees tensor
   (a cross-attention layer holding image tokens) or ``"cross-empty"`` (not initialized, or not even
   created). It is graph structure, part of a program's key; lengths never are. Decoder-only models
   have only ``"self"`` layers, and the state is ``[k0, v0, k1, v1, ...]``.
+* Sliding-window layers (``DynamicSlidingWindowLayer``, label ``"sliding"``, see ``kvtrace.cache.sliding``):
+  held as their stored tail ``[B, H_kv, S_w, D]`` (S_w = min(P, W - 1), its own size), returned as the new
+  tail. When a filled cache has such layers, the state ends with ``past`` ``[0, P]`` (no elements): P, the
+  layers' ``cumulative_length``, as a symbolic size (the tail stops telling it once P >= W).
 * StaticCache state: ``[k0, v0, n0, k1, v1, n1, ...]`` with k/v ``[B, H_kv, S_max, D]`` and ``n`` the
   0-d int64 ``cumulative_length``. The program mutates them in place (declared input mutations),
   exactly as eager StaticCache does. Not supported for models with cross-attention layers.
@@ -38,11 +42,13 @@ from kvtrace.cache.cross import check_hf_layers
 from kvtrace.cache.full import SELF as SELF
 from kvtrace.cache.kinds import IMAGE as IMAGE
 from kvtrace.cache.kinds import PAST as PAST
+from kvtrace.cache.kinds import TAIL as TAIL
+from kvtrace.cache.sliding import SLIDING as SLIDING
 from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import LayerKind
 
 SUPPORTED = (
-    "transformers.DynamicCache with full-attention layers (fresh or filled), "
+    "transformers.DynamicCache with full-attention or sliding-window layers (fresh or filled), "
     "transformers.StaticCache with full-attention layers, or no cache (use_cache=True creates a DynamicCache)"
 )
 
@@ -101,18 +107,30 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
     ``cross``: the model's cross-attention layer indices. The kind is decided by the self-attention layers
     (all filled with one length, or none); cross layers may hold image tokens or not (see ``layer_pattern``).
     """
-    from transformers.cache_utils import DynamicCache, DynamicLayer, StaticCache, StaticLayer
+    from transformers.cache_utils import (
+        DynamicCache,
+        DynamicLayer,
+        DynamicSlidingWindowLayer,
+        StaticCache,
+        StaticLayer,
+    )
 
     if cache is None:
         return CacheKind.NONE
     if type(cache) is DynamicCache:
         if getattr(cache, "offloading", False):
             raise UnsupportedError(f"an offloading DynamicCache is not supported; kvtrace supports {SUPPORTED}")
-        bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer]
+        bad = [type(layer).__name__ for layer in cache.layers
+               if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)]
         if bad:
             raise UnsupportedError(
-                f"DynamicCache with layer types {sorted(set(bad))} is not supported (e.g. sliding-window); "
+                f"DynamicCache with layer types {sorted(set(bad))} is not supported; "
                 f"kvtrace supports {SUPPORTED}. Pass fallback='eager' to run such calls uncompiled."
+            )
+        if any(getattr(layer, "record_past", False) for layer in cache.layers):
+            raise UnsupportedError(
+                "a DynamicCache whose sliding-window layers record their past (activate_past_recording) is not "
+                f"supported; kvtrace supports {SUPPORTED}. Pass fallback='eager' to run such calls uncompiled."
             )
         check_hf_layers(cache, cross)
         what = "self-attention layers" if cross else "layers"
@@ -125,9 +143,15 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
                 f"DynamicCache is partly filled: {sum(filled)} of {len(filled)} {what} hold tensors; "
                 "expected all or none. Pass a fresh DynamicCache() or the one returned by the previous call."
             )
-        lengths = {layer.keys.shape[-2] for layer in own}
+        lengths = {past_length(layer) for layer in own}
         if len(lengths) != 1:
             raise UsageError(f"DynamicCache {what} hold different lengths {sorted(lengths)}; expected one length")
+        (past,) = lengths
+        tails = [layer.keys.shape[-2] for layer in own
+                 if is_sliding(layer) and layer.keys.shape[-2] != min(past, layer.sliding_window - 1)]
+        if tails:
+            raise UsageError(f"DynamicCache sliding-window layers hold {tails[0]} tokens of {past}; expected the "
+                             "last sliding_window - 1 (as DynamicSlidingWindowLayer.update leaves them)")
         return CacheKind.DYNAMIC
     if type(cache) is StaticCache:
         if cross:
@@ -145,15 +169,38 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
     raise UnsupportedError(f"cache of type {type(cache).__name__} is not supported; kvtrace supports {SUPPORTED}")
 
 
-def layer_kinds(n_layers: int, cross: Collection[int]) -> tuple[kinds.KindOps, ...]:
-    """The kind of each model layer: CROSS for the cross-attention layers, FULL for the others."""
-    return tuple(kinds.ops(LayerKind.CROSS if i in cross else LayerKind.FULL) for i in range(n_layers))
+def is_sliding(layer: Any) -> bool:
+    """An HF cache layer keeping only the last ``sliding_window - 1`` tokens (DynamicSlidingWindowLayer)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    return type(layer) is DynamicSlidingWindowLayer
+
+
+def past_length(layer: Any) -> int:
+    """P, the past tokens an initialized self-attention layer has seen: a sliding layer's ``cumulative_length``
+    (it keeps fewer), else its S."""
+    return int(layer.cumulative_length) if is_sliding(layer) else layer.keys.shape[-2]
+
+
+def windows(cache: Any, n_layers: int) -> tuple[int, ...]:
+    """Per model layer, the window of an HF sliding-window cache layer, 0 for any other (or missing) layer."""
+    layers = getattr(cache, "layers", None) or ()
+    return tuple(int(layers[i].sliding_window) if i < len(layers) and is_sliding(layers[i]) else 0
+                 for i in range(n_layers))
+
+
+def layer_kinds(n_layers: int, cross: Collection[int], cache: Any = None) -> tuple[kinds.KindOps, ...]:
+    """The kind of each model layer: CROSS for the cross-attention layers, SLIDING for the cache's sliding-window
+    layers, FULL for the others."""
+    slide = windows(cache, n_layers)
+    return tuple(kinds.ops(LayerKind.CROSS if i in cross else LayerKind.SLIDING if slide[i] else LayerKind.FULL)
+                 for i in range(n_layers))
 
 
 def layer_pattern(cache: Any, n_layers: int, cross: Collection[int]) -> tuple[str, ...]:
-    """Per model layer, its kind's label: ``SELF``, ``CROSS_FILLED`` or ``CROSS_EMPTY`` (a layer the cache
-    lacks counts as empty)."""
-    return tuple(k.hf_label(cache, i) for i, k in enumerate(layer_kinds(n_layers, cross)))
+    """Per model layer, its kind's label: ``SELF``, ``SLIDING``, ``CROSS_FILLED`` or ``CROSS_EMPTY`` (a layer the
+    cache lacks counts as empty)."""
+    return tuple(k.hf_label(cache, i) for i, k in enumerate(layer_kinds(n_layers, cross, cache)))
 
 
 def length_of(label: str) -> str | None:
@@ -195,19 +242,27 @@ def dynamic_state(cache: Any, layers: Collection[int] | None = None) -> list[tor
     return out
 
 
-def build_dynamic(state: list[torch.Tensor], n_layers: int, held: Collection[int] = ()) -> Any:
+def build_dynamic(state: list[torch.Tensor], n_layers: int, held: Collection[int] = (),
+                  window: tuple[int, ...] = (), past: Any = 0) -> Any:
     """Inside the trace: a new DynamicCache of ``n_layers`` layers; the ``held`` ones wrap ``state`` (no copy),
-    the others stay uninitialized (a fresh self layer, a cross layer without image tokens)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    the others stay uninitialized (a fresh self layer, a cross layer without image tokens).
+
+    ``window``: per layer, the sliding window of a ``DynamicSlidingWindowLayer`` (0: a ``DynamicLayer``);
+    ``past``: P (a symbolic size), the ``cumulative_length`` of the held sliding layers.
+    """
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     pairs = iter(zip(state[0::2], state[1::2], strict=True))
     layers = []
     for i in range(n_layers):
-        layer = DynamicLayer()
+        w = window[i] if i < len(window) else 0
+        layer = DynamicSlidingWindowLayer(sliding_window=w) if w else DynamicLayer()
         if i in held:
-            k, v = next(pairs)  # [B, H_kv, P, D] (self) or [B, H_kv, N_c, D] (cross)
+            k, v = next(pairs)  # [B, H_kv, P, D] (self), [B, H_kv, N_c, D] (cross), [B, H_kv, S_w, D] (sliding)
             layer.lazy_initialization(k, v)
             layer.keys, layer.values = k, v
+            if w:
+                layer.cumulative_length = past
         layers.append(layer)
     cache = DynamicCache()
     cache.layers = layers
@@ -219,14 +274,28 @@ def write_back_dynamic(cache: Any, new_state: Mapping[int, tuple[torch.Tensor, t
     """Epilogue: the caller's DynamicCache now holds what eager would (new tensors, same object).
 
     ``new_state``: layer index -> (keys, values) ``[B, H_kv, S, D]`` for the layers the call wrote, and only
-    those; the other layers are left as they are (read-only cross layers, skipped ones).
+    those; the other layers are left as they are (read-only cross layers, skipped ones). A sliding-window
+    layer gets its new tail; its ``cumulative_length`` is ``advance_sliding``'s to grow.
     """
     for i in sorted(new_state):
         k, v = new_state[i]
-        if i < len(cache.layers) and cache.layers[i].is_initialized:
-            cache.layers[i].keys, cache.layers[i].values = k, v
+        layer = cache.layers[i] if i < len(cache.layers) else None
+        if layer is not None and is_sliding(layer):  # as its update leaves it: the tail (HF's lazy init first)
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        elif layer is not None and layer.is_initialized:
+            layer.keys, layer.values = k, v
         else:  # fresh or not yet created: HF's own lazy init and layer creation (one copy, at prefill only)
             cache.update(k, v, i)
+
+
+def advance_sliding(cache: Any, layers: Collection[int], added: int) -> None:
+    """Epilogue, after ``write_back_dynamic``: the written sliding-window ``layers`` have seen ``added`` (T) more
+    tokens, as their ``update`` counts them (``cumulative_length``: P + T, while they store only the tail)."""
+    for i in layers:
+        if i < len(cache.layers) and is_sliding(cache.layers[i]):
+            cache.layers[i].cumulative_length += added
 
 
 # --- StaticCache --------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ What a kind answers (``LayerSpec`` ``layer`` of CacheSpec ``spec``; K and V are 
     prefill program (one that runs once, e.g. the image prefill) fills it;
   * the HF mapping: ``hf_label(cache, i)`` (layer ``i`` of a transformers DynamicCache as a layer-pattern
     label), ``hf_held`` / ``hf_written`` (whether a captured program takes / returns that layer) and
-    ``hf_length`` (what the layer's S dimension counts: ``PAST`` tokens, ``IMAGE`` tokens, or nothing).
+    ``hf_length`` (what the layer's S dimension counts: ``PAST`` tokens, ``IMAGE`` tokens, the ``TAIL`` of a
+    sliding window, or nothing).
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ import torch
 from kvtrace._errors import UnsupportedError
 from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
 
-__all__ = ["IMAGE", "PAST", "KindOps", "kind_of", "ops", "ops_for_label"]
+__all__ = ["IMAGE", "PAST", "TAIL", "KindOps", "kind_of", "ops", "ops_for_label"]
 
 # What a held HF layer's S dimension counts (``KindOps.hf_length``).
 PAST = "P"  # past text tokens, one P for every such layer
 IMAGE = "N_c"  # cached image tokens, one N_c for every such layer
+TAIL = "S_w"  # the last min(P, W - 1) past tokens a sliding-window layer keeps (P itself is its cumulative_length)
 
 # LayerKind -> the module defining its OPS. Adding a kind: one module and one line here.
 _MODULES: dict[LayerKind, str] = {

@@ -18,8 +18,11 @@ transformers' ``DynamicSlidingWindowLayer`` keeps (``[-sliding_window + 1:]``); 
 position P - W, is never read again (the next query, at P, sees P - W + 1 .. P). verify compares those
 slots one for one with eager's layer.
 
-transformers' sliding cache layers (``DynamicSlidingWindowLayer``) get label ``"sliding"``; running them
-through ``kvtrace.jit`` is not implemented yet, so the other HF-mapping answers refuse.
+transformers' sliding cache layers (``DynamicSlidingWindowLayer``) get label ``"sliding"``. Under
+``kvtrace.jit`` a program takes such a layer's stored tail ``[B, H_kv, S_w, D]`` (S_w = min(P, W - 1), its
+own size: ``TAIL``) once the cache holds past tokens, plus the past length P itself (its ``cumulative_length``,
+which the tail no longer tells once P >= W), and returns the new tail (last W - 1 of old + new), which is
+what eager's ``update`` stores (it attends over old + new and keeps only the tail).
 """
 
 from __future__ import annotations
@@ -28,8 +31,7 @@ from typing import Any
 
 import torch
 
-from kvtrace._errors import UnsupportedError
-from kvtrace.cache.kinds import KindOps
+from kvtrace.cache.kinds import TAIL, KindOps
 from kvtrace.spec.cache import LayerKind
 
 __all__ = ["OPS", "SLIDING", "SlidingOps", "attention_inputs", "slot_positions", "visible"]
@@ -90,18 +92,16 @@ class SlidingOps(KindOps):
     def hf_label(self, cache: Any, i: int) -> str:
         return SLIDING
 
-    def _no_jit(self) -> UnsupportedError:
-        return UnsupportedError("kvtrace.jit does not run transformers' sliding-window cache layers yet; "
-                                "pass fallback='eager', or export the model (sliding layers export as ring buffers)")
-
     def hf_held(self, label: str, has_past: bool) -> bool:
-        raise self._no_jit()
+        """A program takes the stored tail once the cache holds past tokens (P >= 1)."""
+        return has_past
 
     def hf_written(self, label: str, image: bool) -> bool:
-        raise self._no_jit()
+        """Every call updates the tail: the program returns the last min(P + T, W - 1) tokens."""
+        return True
 
-    def hf_length(self, label: str) -> str | None:
-        raise self._no_jit()
+    def hf_length(self, label: str) -> str:
+        return TAIL
 
 
 OPS = SlidingOps()

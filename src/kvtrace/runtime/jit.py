@@ -19,7 +19,9 @@ Models with cross-attention layers (Mllama's text decoder, ``MllamaForCausalLM``
 prepared additive mask over the X image tokens the cross layers attend) and
 ``full_text_row_masked_out_mask`` [B, 1, T, 1]. Their cache layers are not all alike: the key holds the
 layer pattern (see ``kvtrace.cache.hf``), and a program only takes and returns the layers it reads and
-writes.
+writes. Sliding-window cache layers (HF's ``DynamicSlidingWindowLayer``, as ``DynamicCache(config=...)``
+builds them for Mistral or a hybrid Qwen2) go the same way: a program takes their stored tail and P, and
+returns the new tail (``kvtrace.cache.sliding``).
 
 This module holds the three stages' driver (``JittedModel``, ``jit``) and the capture; the rest lives in
 ``jit_call`` (the prologue: ``CallKey``, size classes, the program's argument layout), ``jit_examples``
@@ -53,6 +55,7 @@ from kvtrace.runtime.jit_call import (  # noqa: F401
     _SEQ_DIM,
     CallKey,
     _Call,
+    _carries_past,
     _held,
     _written,
     arg_names,
@@ -111,18 +114,20 @@ class _Step(torch.nn.Module):
         n_in = len(self.key.inputs)
         kwargs: dict[str, Any] = dict(zip(self.key.inputs, flat[:n_in], strict=True))
         state = list(flat[n_in:])
+        past = state.pop().shape[1] if _carries_past(self.key) else 0  # P of the sliding layers: [0, P]
         kind = self.key.cache
         if not kind.stateful:
             cache = None
         elif kind.static:
             cache = hfc.build_static(self.template, state)
         else:
-            cache = hfc.build_dynamic(state, self.n_layers, _held(self.key))
+            cache = hfc.build_dynamic(state, self.n_layers, _held(self.key), self.key.windows, past)
         if self.key.logits_to_keep:
             kwargs["logits_to_keep"] = self.key.logits_to_keep
         out = self.model(**kwargs, **{self.cache_kw: cache}, use_cache=kind.stateful, return_dict=True)
         if kind.dynamic:
-            # written state: self layers [B, H_kv, P + T, D]; cross layers [B, H_kv, N_c + N, D] when given images
+            # written state: self layers [B, H_kv, P + T, D]; cross layers [B, H_kv, N_c + N, D] when given images;
+            # sliding layers their new tail [B, H_kv, min(P + T, W - 1), D]
             return (out.logits, *hfc.dynamic_state(cache, _written(self.key)))
         return (out.logits,)  # static state was mutated in place (declared input mutation)
 
@@ -316,12 +321,17 @@ class JittedModel:
         names = self._arg_names(call.key)
         past = {len(call.key.inputs) + 2 * k + kv for k, i in enumerate(_held(call.key))
                 if hfc.length_of(call.key.layers[i]) == hfc.PAST for kv in (0, 1)}  # self layers' keys and values: P
+        if _carries_past(call.key):
+            past.add(len(call.key.inputs) + 2 * len(_held(call.key)))  # the sliding layers' P: [0, P]
         contract = Contract(ep, names, waive=_causal_slice_waiver(call.key, past))
         if call.key.cache.filled:
             placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(names):]
             for a, d in baked:
                 size = int(placeholders[a].meta["val"].shape[d])
-                if a in past and size >= 2:  # not a 0/1 specialisation of an exact capture: the model fixed it
+                # size >= 2: not a 0/1 specialisation of an exact capture, the model fixed it. Below a sliding
+                # window HF's code may fix P at the window's edge (the stored tail exactly W - 1 long): at most
+                # W such programs, and past the window P is symbolic again, so that is allowed.
+                if a in past and size >= max(2, *call.key.windows, 0):
                     origin = contract.origin(a, d)
                     raise CaptureError(
                         f"kvtrace.jit cannot capture {type(self.model).__name__}: its {call.key.cache.value} program "
@@ -363,6 +373,8 @@ class JittedModel:
         if call.key.cache.dynamic:
             written = _written(call.key)
             hfc.write_back_dynamic(call.cache, {i: (outs[1 + 2 * j], outs[2 + 2 * j]) for j, i in enumerate(written)})
+            if call.key.windows:
+                hfc.advance_sliding(call.cache, written, call.tensors[0].shape[1])
         return hfc.make_output(self.model, logits, call.cache, call.return_dict)
 
 
@@ -396,7 +408,8 @@ def jit(model: torch.nn.Module, *, backend: str = "inductor", fallback: str | No
     """Compile ``model.forward`` for HF-style calls with a KV cache.
 
     Args:
-        model: an HF decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, Phi-3, ...) or Mllama's text
+        model: an HF decoder-only causal LM (Llama, Qwen2, Qwen3, Mistral, Phi-3, ..., also with a sliding
+            window and its ``DynamicCache(config=model.config)``) or Mllama's text
             decoder (``MllamaForCausalLM``, with ``cross_attention_states`` / ``cross_attention_mask`` /
             ``full_text_row_masked_out_mask``), in eval mode.
         backend: ``"inductor"`` (AOTInductor-compiled programs) or ``"eager"`` (captured programs

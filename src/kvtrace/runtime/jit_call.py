@@ -46,6 +46,9 @@ class CallKey:
     # contract. Keyed here, a program only ever runs sizes of the class it was traced with: decode (T = 1)
     # and extend (T >= 2 on a filled cache) are two programs; within a class lengths stay symbolic.
     sizes: tuple[int, int] = (2, 2)
+    # Per model layer, the window of a sliding-window cache layer (DynamicSlidingWindowLayer), 0 for others;
+    # () when the cache has none. The window is graph structure (the mask, the stored tail).
+    windows: tuple[int, ...] = ()
 
 
 def size_classes(t_len: int, past: int, kind: CacheKind) -> tuple[int, int]:
@@ -75,6 +78,12 @@ def _held(key: CallKey) -> tuple[int, ...]:
 def _written(key: CallKey) -> tuple[int, ...]:
     """Cache layers whose K/V the program returns, after the logits."""
     return hfc.written_layers(key.cache, key.layers, "cross_attention_states" in key.inputs)
+
+
+def _carries_past(key: CallKey) -> bool:
+    """The program takes P as the size of a ``[0, P]`` tensor after the held state: a filled cache with
+    sliding-window layers, whose stored tail no longer tells P once P >= W (``hfc.build_dynamic``'s ``past``)."""
+    return key.cache.filled and any(key.windows)
 
 
 def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
@@ -113,6 +122,8 @@ def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
         raise UnsupportedError("a cache together with use_cache=False is not supported; drop one of them")
     kind = hfc.classify(cache, jm._cross)
     layers = hfc.layer_pattern(cache, jm._n_layers, jm._cross)
+    windows = hfc.windows(cache, jm._n_layers) if kind.dynamic else ()
+    windows = windows if any(windows) else ()
 
     names = tuple(n for n in (*_SEQ_DIM, *jm._cross_inputs) if bound.get(n) is not None)
     tensors = [bound[n] for n in names]
@@ -136,7 +147,8 @@ def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
                 raise UsageError(f"cache holds batch {k.shape[0]} but the inputs have batch {batch}")
         if held:
             cache_dtype = str(cache.layers[held[0]].keys.dtype)
-        past = next((cache.layers[i].keys.shape[-2] for i in held if hfc.length_of(layers[i]) == hfc.PAST), 0)
+        past = next((hfc.past_length(cache.layers[i]) for i in held
+                     if hfc.length_of(layers[i]) in (hfc.PAST, hfc.TAIL)), 0)
         cross_len = next((cache.layers[i].keys.shape[-2] for i in held if hfc.length_of(layers[i]) == hfc.IMAGE), 0)
     elif kind.static:
         static_len = hfc.static_max_len(cache)
@@ -178,6 +190,7 @@ def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
         layers=layers,
         unmasked_cross=_unmasked_cross(given, image, t_len),
         sizes=size_classes(t_len, past, kind),
+        windows=windows,
     )
     return _Call(key=key, tensors=tensors, cache=cache, return_dict=bool(return_dict), past_len=past,
                  weights=weights, cross_len=cross_len)
@@ -208,6 +221,8 @@ def arg_shapes(call: _Call, n_layers: int, n_kv: int, head_dim: int) -> list[tor
         for i in _held(call.key):
             layer = call.cache.layers[i]
             shapes += [layer.keys.shape, layer.values.shape]
+        if _carries_past(call.key):
+            shapes.append(torch.Size((0, call.past_len)))
     elif call.key.cache.static:
         if call.cache.layers[0].is_initialized:
             shapes += [t.shape for t in hfc.static_state(call.cache)]
@@ -222,6 +237,8 @@ def arg_names(key: CallKey, n_layers: int) -> list[str]:
     names = list(key.inputs)
     if key.cache.dynamic:
         names += [f"cache layer {i} {kv}" for i in _held(key) for kv in ("keys", "values")]
+        if _carries_past(key):
+            names.append("past length (cumulative_length of the sliding-window layers)")
     elif key.cache.static:
         names += [f"cache layer {i} {t}" for i in range(n_layers)
                   for t in ("keys", "values", "cumulative_length")]
@@ -244,6 +261,13 @@ def program_args(call: _Call) -> list[torch.Tensor]:
     args = [t.contiguous() for t in call.tensors]
     if call.key.cache.dynamic:
         args += [t.contiguous() for t in hfc.dynamic_state(call.cache, _held(call.key))]
+        if _carries_past(call.key):
+            args.append(past_carrier(call.past_len, call.tensors[0].device))
     elif call.key.cache.static:
         args += hfc.static_state(call.cache)
     return args
+
+
+def past_carrier(past: int, device: torch.device | str) -> torch.Tensor:
+    """P as a tensor size: ``[0, P]`` int8, no elements (see ``_carries_past``)."""
+    return torch.empty((0, past), dtype=torch.int8, device=device)

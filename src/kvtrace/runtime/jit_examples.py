@@ -2,6 +2,9 @@
 
 Example sizes are >= 2 and pairwise distinct (also the sums P + T and N_c + N), so no length is
 specialised or unified; an exact capture (a call no earlier program admits) uses the call's own sizes.
+A cache with sliding-window layers is always captured with the call's own sizes: HF's sliding code branches
+on P and T against the window (stored tail full or not, mask offset), so a program holds for one side of the
+window, and the call's own sizes put the capture on the call's side.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Any
 import torch
 
 from kvtrace.cache import hf as hfc
-from kvtrace.runtime.jit_call import _SEQ_DIM, _Call, _held, cache_dtype
+from kvtrace.runtime.jit_call import _SEQ_DIM, _Call, _carries_past, _held, cache_dtype, past_carrier
 from kvtrace.runtime.jit_cross import _CROSS
 
 # Example sizes used for capture: >= 2 and pairwise distinct (also the sums P + T and N_c + N), so no
@@ -29,6 +32,7 @@ def examples(call: _Call, exact: bool, n_layers: int, n_kv: int,
     from torch.export import Dim
 
     key = call.key
+    exact = exact or bool(key.windows)  # see the module docstring
     t_ex = call.tensors[0].shape[1] if exact else _T_EX
     if key.sizes[0] < 2:  # T = 1 is this program's graph, not a length: keep it static (see CallKey.sizes)
         t_ex = key.sizes[0]
@@ -65,9 +69,17 @@ def examples(call: _Call, exact: bool, n_layers: int, n_kv: int,
     if key.cache.dynamic:
         for i in _held(key):
             k = call.cache.layers[i].keys  # [B, H_kv, P, D] (self) or [B, H_kv, N_c, D] (cross)
-            shape = (key.batch, k.shape[1], nc_ex if hfc.length_of(key.layers[i]) == hfc.IMAGE else p_ex, k.shape[3])
+            length = hfc.length_of(key.layers[i])
+            s_ex = nc_ex if length == hfc.IMAGE else p_ex
+            full_tail = False
+            if length == hfc.TAIL:  # the stored tail: min(P, W - 1), a fixed size once the window is full
+                s_ex, full_tail = min(p_ex, key.windows[i] - 1), p_ex >= key.windows[i]
+            shape = (key.batch, k.shape[1], s_ex, k.shape[3])
             examples += [torch.zeros(shape, dtype=k.dtype, device=k.device) for _ in range(2)]
-            shapes += [{2: Dim.AUTO} if shape[2] != 1 else {}] * 2
+            shapes += [{2: Dim.AUTO} if shape[2] != 1 and not full_tail else {}] * 2
+        if _carries_past(key):  # P of the sliding layers (hfc.build_dynamic's past)
+            examples.append(past_carrier(p_ex, key.device))
+            shapes.append({1: Dim.AUTO} if p_ex != 1 else {})
     elif key.cache.static:
         dtype = cache_dtype(call)
         shape = (key.batch, n_kv, key.static_len, head_dim)  # [B, H_kv, S_max, D]
