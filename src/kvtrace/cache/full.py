@@ -44,14 +44,6 @@ class FullOps(KindOps):
     def hf_label(self, cache: Any, i: int) -> str:
         return SELF
 
-    def hf_held(self, label: str, has_past: bool) -> bool:
-        """A program takes the layer's K/V once the cache holds past tokens (P >= 1)."""
-        return has_past
-
-    def hf_written(self, label: str, image: bool) -> bool:
-        """Every call appends its T tokens: the program returns [B, H_kv, P + T, D]."""
-        return True
-
     def hf_length(self, label: str) -> str:
         return PAST
 

@@ -75,10 +75,12 @@ class KindOps:
         raise NotImplementedError
 
     def hf_held(self, label: str, has_past: bool) -> bool:
-        raise NotImplementedError
+        """Self-attention kinds: a program takes the layer's K/V once the cache holds past tokens (P >= 1)."""
+        return has_past
 
     def hf_written(self, label: str, image: bool) -> bool:
-        raise NotImplementedError
+        """Self-attention kinds: every call appends its T tokens, so the program returns the layer's K/V."""
+        return True
 
     def hf_length(self, label: str) -> str | None:
         raise NotImplementedError

@@ -92,14 +92,6 @@ class SlidingOps(KindOps):
     def hf_label(self, cache: Any, i: int) -> str:
         return SLIDING
 
-    def hf_held(self, label: str, has_past: bool) -> bool:
-        """A program takes the stored tail once the cache holds past tokens (P >= 1)."""
-        return has_past
-
-    def hf_written(self, label: str, image: bool) -> bool:
-        """Every call updates the tail: the program returns the last min(P + T, W - 1) tokens."""
-        return True
-
     def hf_length(self, label: str) -> str:
         return TAIL
 
