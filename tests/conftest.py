@@ -20,6 +20,26 @@ TINY = dict(
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 
+# More HF decoder families (issue #15), each with what sets it apart switched on: Gemma's scaled embeddings
+# and (1 + w) norms, Gemma 2's soft-capping and local/global layers, Gemma 3's q/k norms and per-layer-type
+# RoPE, SmolLM3's layers without RoPE, Granite's multipliers, OLMo2's post-norms and q/k norms, GPT-NeoX's
+# parallel residual and partial rotary. name -> (config class, model class, config defaults).
+_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FAMILY_ARCHS = {
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16, **_TOKENS)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"], **_TOKENS)),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(head_dim=16, sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                         rope_local_base_freq=10000.0, **_TOKENS)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layer_interval=2, **_TOKENS)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                     logits_scaling=0.125, tie_word_embeddings=False, **_TOKENS)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(**_TOKENS)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(rotary_pct=0.25, use_parallel_residual=True, **_TOKENS)),
+}
+
 
 def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A tiny random-weight causal LM of the given HF architecture, eval mode, no grads."""
@@ -41,6 +61,10 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
     elif arch == "phi3":
         cfg = tf.Phi3Config(**{"sliding_window": None, **cfg_kwargs}, pad_token_id=0, bos_token_id=1, eos_token_id=2)
         cls = tf.Phi3ForCausalLM
+    elif arch in FAMILY_ARCHS:
+        config_cls, model_cls, defaults = FAMILY_ARCHS[arch]
+        cfg = getattr(tf, config_cls)(**{**defaults, **cfg_kwargs})
+        cls = getattr(tf, model_cls)
     else:
         raise ValueError(arch)
     torch.manual_seed(seed)
@@ -48,6 +72,9 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
     # Random init leaves logits tiny and near-uniform; scale embeddings up so greedy picks are decisive.
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(20)
+        head = model.get_output_embeddings().weight
+        if arch in FAMILY_ARCHS and head.data_ptr() != model.get_input_embeddings().weight.data_ptr():
+            head.mul_(20)  # untied heads too (OLMo2, GPT-NeoX), and Granite divides by logits_scaling
     return model.to(dtype)
 
 
