@@ -69,8 +69,10 @@ def test_valid_slots_are_the_written_prefix_or_all_image_slots():
 
 
 def test_rewind_and_decode_rules():
-    assert full.OPS.rewindable and full.OPS.written_by_decode
-    assert cross.OPS.rewindable and not cross.OPS.written_by_decode  # only the image prefill writes it
+    layer = LayerSpec(LayerKind.FULL, H, D, S)
+    assert full.OPS.max_rewind(layer, 5) == 5 and full.OPS.written_by_decode
+    assert cross.OPS.max_rewind(layer, 5) == 5  # text positions do not index its slots
+    assert not cross.OPS.written_by_decode  # only the image prefill writes it
 
 
 def _noop(tokens, input_pos, *state):
@@ -83,14 +85,14 @@ def test_session_rewind_asks_the_kind(monkeypatch):
     s.prefill([[1, 2, 3]])
     s.rewind(1)
     assert s.position == 2
-    monkeypatch.setattr(full.FullOps, "rewindable", False)  # what a ring-buffer kind will say
-    with pytest.raises(UnsupportedError, match=r"rewind is undefined for cache layers of kind \['full'\]"):
+    monkeypatch.setattr(full.FullOps, "max_rewind", lambda self, layer, position: 0)  # a kind keeping nothing
+    with pytest.raises(UsageError, match=r"rewind\(1\) at position 2: cache layer 0 \(full\).*at most 0 "
+                                         r"token\(s\).*snapshot\(\).*restore\(\)"):
         s.rewind(1)
     assert s.position == 2
-    ring = CacheSpec(layers=(LayerSpec(LayerKind.SLIDING, 1, 2, 4, window=4),), batch_size=1, max_seq_len=8,
-                     dtype="float32")
-    with pytest.raises(UnsupportedError, match=r"kind \['sliding'\]; use snapshot\(\)/restore\(\)"):
-        Session(ring, _noop, _noop).rewind(0)
+    s.rewind(0)
+    s.rewind(2)  # back to the start needs nothing kept
+    assert s.position == 0
 
 
 def test_shared_cross_state_is_found_by_name_not_position():

@@ -8,7 +8,7 @@ import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 from transformers.masking_utils import and_masks, causal_mask_function, sliding_window_overlay
 
-from kvtrace._errors import UnsupportedError
+from kvtrace._errors import UsageError
 from kvtrace.cache import kinds, sliding
 from kvtrace.runtime.session import Session
 from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
@@ -111,17 +111,31 @@ def test_valid_slots_are_what_hf_dynamic_sliding_window_layer_keeps():
     assert sliding.OPS.valid(k_cache, v_cache, 0, prefilled=False)[0].shape[2] == 0
 
 
-def test_rewind_is_refused_with_snapshot_suggested_and_the_jit_mapping_holds_the_tail():
-    assert not sliding.OPS.rewindable and sliding.OPS.written_by_decode
+def test_rewind_within_the_window_and_past_it_one_token_else_snapshot_suggested():
+    layer = _spec().layers[1]  # the ring
+    w = layer.window
+    # at P <= W nothing was overwritten; past it the ring holds P - W .. P - 1 while the query at P - n reads
+    # back to P - n - W + 1, so only n = 1 is still held
+    assert [sliding.OPS.max_rewind(layer, p) for p in (0, 3, w, w + 1, 5 * w)] == [0, 3, w, 1, 1]
+    assert sliding.OPS.written_by_decode
 
     def step(tokens, input_pos, *state):
         return torch.zeros(tokens.shape[0], tokens.shape[1], 4)
 
     s = Session(_spec(), step, step)
     s.prefill([[1, 2, 3]])
-    with pytest.raises(UnsupportedError, match=r"kind \['sliding'\]; use snapshot\(\)/restore\(\)"):
-        s.rewind(1)
-    assert s.position == 3
+    s.rewind(2)  # inside the window: any number
+    assert s.position == 1
+    s.prefill([list(range(w + 2))])  # past the window
+    at = s.position
+    with pytest.raises(UsageError, match=rf"rewind\(2\) at position {at}: cache layer 1 \(sliding of {w} slots\) "
+                                         rf"no longer holds what position {at - 2} reads, so at most 1 token"
+                                         r"\(s\) can be rewound here; take session.snapshot\(\)"):
+        s.rewind(2)
+    assert s.position == at  # refused: nothing changed
+    s.rewind(1)
+    s.rewind(s.position)  # back to the start needs nothing kept
+    s.prefill([[1, 2, 3]])
     snap = s.snapshot()
     s.decode([[4]])
     s.restore(snap)

@@ -126,3 +126,42 @@ def test_planted_ring_faults_fail_verify(fault, tmp_path, monkeypatch, built):
         assert fail.failure.startswith("layer 0 K max abs"), fail.failure
     else:
         assert "logits max abs" in fail.failure and fail.k_max_abs[0] == 0.0, fail.failure  # layer 0 K: no attention
+
+
+def _eager_last(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    """HF's logits for the last token of ``ids``, run from scratch (no cache): [1, V]."""
+    return model(torch.tensor([ids])).logits[:, -1]
+
+
+def test_rewind_on_rings_equals_eager_on_the_truncated_sequence(built):
+    model, art = built("mistral")
+    s = art.session()
+    seq = [5, 17, 42, 8, 99]  # inside the window: any rewind is defined
+    s.prefill([seq])
+    s.rewind(3)
+    seq = seq[:2]
+    for t in (7, 1, 2, 9, 4, 6, 3, 11, 12, 13, 14):  # past the window: one token at a time
+        got = s.decode([[t]])[:, -1]
+        seq.append(t)
+        torch.testing.assert_close(got, _eager_last(model, seq), atol=1e-4, rtol=1e-4)
+        s.rewind(1)  # ... and back one token, then the next try
+        seq.pop()
+        alt = (t * 7 + 3) % 128
+        torch.testing.assert_close(s.decode([[alt]])[:, -1], _eager_last(model, [*seq, alt]),
+                                   atol=1e-4, rtol=1e-4)
+        seq.append(alt)
+    assert s.position == len(seq) > WINDOW
+    with pytest.raises(kvtrace.UsageError, match=r"at most 1 token"):
+        s.rewind(2)
+
+
+def test_the_rewind_limit_is_tight_past_it_the_ring_would_be_wrong(built, monkeypatch):
+    """With the check bypassed, rewinding 2 past the window reads an overwritten slot: eager disagrees."""
+    model, art = built("mistral")
+    s = art.session()
+    seq = list(range(1, 2 * WINDOW))
+    s.prefill([seq])
+    monkeypatch.setattr(sliding.SlidingOps, "max_rewind", lambda self, layer, position: position)
+    s.rewind(2)
+    got = s.decode([[3]])[:, -1]
+    assert (got - _eager_last(model, [*seq[:-2], 3])).abs().max() > 1e-3  # 10x the fp32 tolerance

@@ -48,7 +48,6 @@ def shared_state(spec: CacheSpec, state: Sequence[torch.Tensor]) -> tuple[torch.
 
 class CrossOps(KindOps):
     kind = LayerKind.CROSS
-    rewindable = True  # text positions do not index its slots
     written_by_decode = False
     hf_labels = (CROSS_FILLED, CROSS_EMPTY)
 

@@ -23,7 +23,6 @@ SELF = "self"  # HF layer-pattern label: a self-attention layer holding P past t
 
 class FullOps(KindOps):
     kind = LayerKind.FULL
-    rewindable = True
     written_by_decode = True
     hf_labels = (SELF,)
 

@@ -10,8 +10,9 @@ What a kind answers (``LayerSpec`` ``layer`` of CacheSpec ``spec``; K and V are 
   * ``write(k_cache, v_cache, input_pos, k, v)``: how a program stores new K/V (in place);
   * ``valid(k, v, position, prefilled)``: the slots holding data at ``position`` (what verify compares),
     None when the layer holds nothing yet;
-  * ``rewindable``: whether ``Session.rewind`` is defined for it; ``written_by_decode``: False when only a
-    prefill program (one that runs once, e.g. the image prefill) fills it;
+  * ``max_rewind(layer, position)``: how many tokens ``Session.rewind`` may drop at ``position`` (all of them
+    for most kinds; a ring only while the rewound-to window is still held); ``written_by_decode``: False
+    when only a prefill program (one that runs once, e.g. the image prefill) fills it;
   * the HF mapping: ``hf_label(cache, i)`` (layer ``i`` of a transformers DynamicCache as a layer-pattern
     label), ``hf_held`` / ``hf_written`` (whether a captured program takes / returns that layer) and
     ``hf_length`` (what the layer's S dimension counts: ``PAST`` tokens, ``IMAGE`` tokens, the ``TAIL`` of a
@@ -48,7 +49,6 @@ class KindOps:
     """One cache kind's semantics. Subclasses set the class attributes and override what differs."""
 
     kind: ClassVar[LayerKind]
-    rewindable: ClassVar[bool]  # Session.rewind is defined for caches of this kind
     written_by_decode: ClassVar[bool]  # False: only a prefill program (ProgramSpec.once) writes it
     hf_labels: ClassVar[tuple[str, ...]]  # the layer-pattern labels hf_label returns
 
@@ -62,6 +62,11 @@ class KindOps:
         shape = (spec.batch_size, layer.n_kv_heads, self.slots(spec, layer), layer.head_dim)  # [B, H_kv, S, D]
         return (BufferSpec(f"layers.{i}.k", shape, spec.dtype, spec.kv_init),
                 BufferSpec(f"layers.{i}.v", shape, spec.dtype, spec.kv_init))
+
+    def max_rewind(self, layer: LayerSpec, position: int) -> int:
+        """The most tokens ``Session.rewind`` may drop at ``position``: every one, as slots are indexed by
+        position and a stale slot is masked until it is written again."""
+        return position
 
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:

@@ -5,9 +5,12 @@
 A query at position q sees the keys at positions q - W < p <= q: the previous W - 1 tokens and itself
 (transformers' ``sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``, on top of the causal mask).
 
-Positions only move forward (``rewindable`` is False), so what a slot holds is a function of the position
-alone, kept in no buffer: before a call starting at position P, slot s holds position
-``P - 1 - ((P - 1 - s) mod W)`` when that is >= 0, and nothing otherwise (``slot_positions``). A call of T
+What a slot holds is a function of the position alone, kept in no buffer: before a call starting at
+position P, slot s holds position ``P - 1 - ((P - 1 - s) mod W)`` when that is >= 0, and nothing otherwise
+(``slot_positions``). That stays true after ``Session.rewind`` as far as it matters: the query at the
+rewound-to position P' reads positions P' - W + 1 .. P' - 1 only (the formula's oldest slot, P' - W, is
+masked), and rewind is allowed only while those are still in the ring, i.e. none was overwritten by a
+position written later (``max_rewind``: position p is overwritten once p + W was written). A call of T
 tokens attends over the ring as it was plus its own T keys (``attention_inputs``: ``[B, H_kv, W + T, D]``,
 masked by ``visible``), then ``write`` stores them: each slot gets the latest of the call's rows that maps
 to it, so a prefill longer than the window keeps its last W tokens (every row is written, duplicates with
@@ -32,7 +35,7 @@ from typing import Any
 import torch
 
 from kvtrace.cache.kinds import TAIL, KindOps
-from kvtrace.spec.cache import LayerKind
+from kvtrace.spec.cache import LayerKind, LayerSpec
 
 __all__ = ["OPS", "SLIDING", "SlidingOps", "attention_inputs", "slot_positions", "visible"]
 
@@ -64,9 +67,14 @@ def attention_inputs(k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: to
 
 class SlidingOps(KindOps):
     kind = LayerKind.SLIDING
-    rewindable = False  # a rewound slot may already hold a later position; use snapshot()/restore()
     written_by_decode = True
     hf_labels = (SLIDING,)
+
+    def max_rewind(self, layer: LayerSpec, position: int) -> int:
+        """At position P the ring holds positions P - W .. P - 1; after rewinding n the next query needs
+        max(0, P - n - W + 1) .. P - n - 1, still held iff n <= 1 or P <= W (nothing overwritten yet);
+        rewinding to 0 needs nothing."""
+        return position if position <= layer.window else 1
 
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:

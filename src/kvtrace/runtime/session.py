@@ -206,7 +206,8 @@ class Session:
 
     def rewind(self, n: int) -> None:
         """Forget the last ``n`` tokens (an int, 0 <= n <= position). Their slots are masked by position
-        and overwritten later."""
+        and overwritten later. A sliding-window layer allows it only while it still holds the window the
+        rewound-to position reads (``KindOps.max_rewind``: 1 token past the window, any number before it)."""
         try:  # ints and int-like objects (numpy ints, 0-dim integer tensors) only; never 1.5 or True
             if isinstance(n, bool):
                 raise TypeError
@@ -218,13 +219,24 @@ class Session:
                 f"rewind is undefined for caches with extra state {[b.name for b in self.spec.extra]}; "
                 "use snapshot()/restore()"
             )
-        fixed = sorted({layer.kind.value for layer in self.spec.layers if not kind_of(layer).rewindable})
-        if fixed:
-            raise UnsupportedError(f"rewind is undefined for cache layers of kind {fixed}; use snapshot()/restore()")
         with self._exclusive("rewind"):
             if not 0 <= n <= self._pos:
                 raise UsageError(f"rewind({n}): expected 0 <= n <= position ({self._pos})")
+            if 0 < n < self._pos:  # rewinding everything needs nothing kept
+                self._check_kept(n)
             self._pos -= n
+
+    def _check_kept(self, n: int) -> None:
+        """Refuse rewind(n) when a layer no longer holds what the rewound-to position must read."""
+        for i, layer in enumerate(self.spec.layers):
+            most = kind_of(layer).max_rewind(layer, self._pos)
+            if n > most:
+                slots = f" of {layer.max_len} slots" if layer.window else ""
+                raise UsageError(
+                    f"rewind({n}) at position {self._pos}: cache layer {i} ({layer.kind.value}{slots}) no longer "
+                    f"holds what position {self._pos - n} reads, so at most {most} token(s) can be rewound here; "
+                    f"take session.snapshot() before the tokens you may drop and restore() it instead"
+                )
 
     def snapshot(self) -> Snapshot:
         """A copy of the cache state, position and ``once`` programs run, tagged with this session's identity."""
