@@ -22,6 +22,11 @@ and reports, as ``Finding(kind, message, where)``:
                      structure changes with the length;
 * ``baked-constant`` a literal in the graph (or a lifted constant tensor) that changes when the same
                      program is captured with other example lengths: a length or position baked in;
+* ``sliding``        (models with sliding-window layers, after the scenario: a phase on
+                     ``DynamicCache(config=model.config)`` that crosses and then wraps the window) crossing
+                     the window captured another program (the window or the past length relative to it got
+                     baked), or a sliding layer of eager's or the caller's cache holds more (or other) than
+                     the last ``min(P, W - 1)`` tokens: it grows unbounded;
 * ``mutation``       the call left the caller's cache, inputs or model different from what eager leaves
                      (or, when it failed, different from before the call);
 * ``mismatch``       the logits differ from eager's beyond the dtype's tolerance;
@@ -33,7 +38,8 @@ and the innermost frame of its ``stack_trace``, or the call of the scenario.
 Modules: ``report`` (KINDS, SCENARIO, EXPECTED_PROGRAMS, Finding, LintReport), ``scenario`` (``lint``,
 ``run_cli_lint``: the scenario driver), ``guards`` (what torch.export logged; guards and shapes against the
 lengths a program must accept), ``graph_diff`` (a program captured again with other lengths, compared),
-``mutation`` (the caller's cache, inputs and model against eager's), ``jit_view`` (the only module that
+``mutation`` (the caller's cache, inputs and model against eager's), ``sliding`` (the sliding-window
+phase), ``jit_view`` (the only module that
 reads ``kvtrace.runtime.jit`` internals; its docstring lists them).
 """
 

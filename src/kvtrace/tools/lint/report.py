@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["EXPECTED_PROGRAMS", "KINDS", "SCENARIO", "Finding", "LintReport"]
 
-KINDS = ("recapture", "specialization", "baked-constant", "mutation", "mismatch", "error")
+KINDS = ("recapture", "specialization", "baked-constant", "sliding", "mutation", "mismatch", "error")
 # (prompt length, then tokens added to the filled cache): every length and start position differs.
 # (prompt tokens, then new tokens): a decode, an extend, and the shortest lengths (T = 1, P = 1).
 SCENARIO = ((5, 1), (9, 3), (1, 1))

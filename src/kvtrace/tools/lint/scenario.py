@@ -22,6 +22,7 @@ from kvtrace.tools.lint.graph_diff import _diff_programs, _recapture_with
 from kvtrace.tools.lint.guards import _Capture, _check_guards, _program_name, recording_jit
 from kvtrace.tools.lint.mutation import _differences, _model_state, _out_cache, _same_model, _state
 from kvtrace.tools.lint.report import EXPECTED_PROGRAMS, SCENARIO, Finding, LintReport
+from kvtrace.tools.lint.sliding import sliding_phase
 
 __all__ = ["lint", "run_cli_lint"]
 
@@ -65,19 +66,80 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
     max_len = getattr(cfg, "max_position_embeddings", None)
     findings: list[Finding] = []
     calls: list[str] = []
-    programs_by_kind: dict[Any, Any] = {}  # (cache kind, size classes) -> key of the first program captured for it
 
+    run = _Runner(model, jm, make, cache_kw, findings, calls)
     steps = []
     for prompt, more in SCENARIO:
         steps.append((prompt, 0, f"prefill {prompt} tokens on a fresh DynamicCache"))
         steps.append((more, prompt, f"{'decode 1 token' if more == 1 else f'extend by {more} tokens'} at position {prompt}"))
     cache: Any = None
+    programs_by_kind: dict[Any, Any] = {}  # (cache kind, size classes) -> key of the first program captured for it
     for i, (n, past, desc) in enumerate(steps):
-        where = f"call {i + 1} of the lint scenario ({desc})"
-        calls.append(desc)
         if past == 0:
             cache = DynamicCache()
-        new = make(n)
+        cache, new_keys = run.call(n, past, desc, cache, f"call {i + 1} of the lint scenario ({desc})")
+        for key in new_keys:
+            first = programs_by_kind.setdefault((key.cache.value, key.sizes), key)
+            if first is not key:
+                changed = {f.name: getattr(key, f.name) for f in dataclasses.fields(key)
+                           if getattr(key, f.name) != getattr(first, f.name)}
+                why = (f"whose key differs from the first one's in {changed}" if changed else
+                       "with the same key: kvtrace.jit dropped its programs because the model's parameters or "
+                       "buffers were replaced since the first capture")
+                findings.append(Finding("recapture", f"a second {key.cache.value} program was captured {why}",
+                                        f"call {i + 1} of the lint scenario ({desc})"))
+    scenario_captures = jm.stats.captures
+    findings.extend(sliding_phase(run, model.config, len(steps)))
+    if scenario_captures > EXPECTED_PROGRAMS:
+        findings.append(Finding("recapture", f"{scenario_captures} programs captured over {len(steps)} calls; "
+                                f"expected {EXPECTED_PROGRAMS} (one per cache kind and size class of T and P, "
+                                "whatever the lengths)",
+                                "kvtrace.jit stats"))
+    for s in jm.stats.specializations:
+        findings.append(Finding("specialization", f"kvtrace.jit pinned a length: {s}", "kvtrace.jit capture"))
+
+    first_caps: dict[Any, _Capture] = {}  # per program key, jit's first (non-exact) capture
+    for c in lint_captures:
+        if not c.exact and c.ep is not None:
+            first_caps.setdefault(c.call.key, c)
+    for cap in first_caps.values():
+        findings.extend(_check_guards(cap, n_layers, max_len))
+        prog = _program_name(cap.call)
+        fresh = cap.call.key.cache.value == "dynamic-fresh"
+        t_class, p_class = cap.call.key.sizes
+        if t_class < 2 and (fresh or p_class < 2):
+            continue  # every length of this program is fixed by its size class: nothing to vary
+        t_a, t_b = (t_ex, _T_B) if t_class == 2 else (t_class, t_class)
+        p_a, p_b = (0, 0) if fresh else (p_ex, _P_B) if p_class == 2 else (p_class, p_class)
+        sizes_a = f"T={t_a}" + ("" if fresh else f", P={p_a}")
+        sizes_b = f"T={t_b}" + ("" if fresh else f", P={p_b}")
+        try:
+            other = _recapture_with(jm, cap, t_b, p_b)
+        except Exception as e:
+            findings.append(Finding("specialization", f"{prog}: capturing it again with {sizes_b} failed "
+                                    f"({one_line(e)})", "torch.export"))
+            continue
+        findings.extend(_diff_programs(prog, cap, other, sizes_a, sizes_b))
+    return LintReport(model=type(model).__name__, calls=tuple(calls), captures=jm.stats.captures,
+                      findings=tuple(_dedupe(findings)))
+
+
+class _Runner:
+    """One call of a scenario: eager on copies (the reference), then the jitted model on the caller's objects;
+    findings of kinds mutation, mismatch and error go to ``findings``."""
+
+    def __init__(self, model: torch.nn.Module, jm: Any, make: Callable[[int], Any], cache_kw: str,
+                 findings: list[Finding], calls: list[str]):
+        self.model, self.jm, self.make, self.cache_kw = model, jm, make, cache_kw
+        self.findings, self.calls = findings, calls
+        self.eager_cache: Any = None  # what eager left after the last call
+
+    def call(self, n: int, past: int, desc: str, cache: Any, where: str) -> tuple[Any, list[Any]]:
+        """Run one call of ``n`` new tokens on ``cache`` (holding ``past``); returns the cache to continue
+        with and the keys of the programs it captured."""
+        model, jm, cache_kw, findings = self.model, self.jm, self.cache_kw, self.findings
+        self.calls.append(desc)
+        new = self.make(n)
         new = {"input_ids": new} if isinstance(new, torch.Tensor) else dict(new)
         main = next(iter(new.values()))
         mask = torch.ones(main.shape[0], past + n, dtype=torch.int64, device=main.device)
@@ -87,6 +149,7 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
         before_eager = _model_state(model)
         with torch.no_grad():
             eager = model(**eager_inputs, **{cache_kw: eager_cache})
+        self.eager_cache = eager_cache
         for d in _same_model(before_eager, _model_state(model)):
             findings.append(Finding("mutation", f"the model's own eager forward: {d} (kvtrace.jit recaptures "
                                     "whenever weights are replaced)", where))
@@ -120,49 +183,8 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
             ok, diff, lim = _close(out.logits, eager.logits)
             if not ok:
                 findings.append(Finding("mismatch", f"logits differ from eager by {diff:.3g} > {lim:.3g}", where))
-        if jm.stats.captures > captures:
-            for key in (k for k in jit_view.program_keys(jm) if k not in keys_before):
-                first = programs_by_kind.setdefault((key.cache.value, key.sizes), key)
-                if first is not key:
-                    changed = {f.name: getattr(key, f.name) for f in dataclasses.fields(key)
-                               if getattr(key, f.name) != getattr(first, f.name)}
-                    why = (f"whose key differs from the first one's in {changed}" if changed else
-                           "with the same key: kvtrace.jit dropped its programs because the model's parameters or "
-                           "buffers were replaced since the first capture")
-                    findings.append(Finding("recapture", f"a second {key.cache.value} program was captured {why}",
-                                            where))
-    if jm.stats.captures > EXPECTED_PROGRAMS:
-        findings.append(Finding("recapture", f"{jm.stats.captures} programs captured over {len(steps)} calls; "
-                                f"expected {EXPECTED_PROGRAMS} (one per cache kind and size class of T and P, "
-                                "whatever the lengths)",
-                                "kvtrace.jit stats"))
-    for s in jm.stats.specializations:
-        findings.append(Finding("specialization", f"kvtrace.jit pinned a length: {s}", "kvtrace.jit capture"))
-
-    first_caps: dict[Any, _Capture] = {}  # per program key, jit's first (non-exact) capture
-    for c in lint_captures:
-        if not c.exact and c.ep is not None:
-            first_caps.setdefault(c.call.key, c)
-    for cap in first_caps.values():
-        findings.extend(_check_guards(cap, n_layers, max_len))
-        prog = _program_name(cap.call)
-        fresh = cap.call.key.cache.value == "dynamic-fresh"
-        t_class, p_class = cap.call.key.sizes
-        if t_class < 2 and (fresh or p_class < 2):
-            continue  # every length of this program is fixed by its size class: nothing to vary
-        t_a, t_b = (t_ex, _T_B) if t_class == 2 else (t_class, t_class)
-        p_a, p_b = (0, 0) if fresh else (p_ex, _P_B) if p_class == 2 else (p_class, p_class)
-        sizes_a = f"T={t_a}" + ("" if fresh else f", P={p_a}")
-        sizes_b = f"T={t_b}" + ("" if fresh else f", P={p_b}")
-        try:
-            other = _recapture_with(jm, cap, t_b, p_b)
-        except Exception as e:
-            findings.append(Finding("specialization", f"{prog}: capturing it again with {sizes_b} failed "
-                                    f"({one_line(e)})", "torch.export"))
-            continue
-        findings.extend(_diff_programs(prog, cap, other, sizes_a, sizes_b))
-    return LintReport(model=type(model).__name__, calls=tuple(calls), captures=jm.stats.captures,
-                      findings=tuple(_dedupe(findings)))
+        new_keys = [k for k in jit_view.program_keys(jm) if k not in keys_before] if jm.stats.captures > captures else []
+        return cache, new_keys
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> tuple[bool, float, float]:
