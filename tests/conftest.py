@@ -106,9 +106,11 @@ CHATML = (
 WORDS = ["<unk>", "<s>", "</s>", "hello", "world", "the", "cat", "sat"]
 
 
-def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64, model=None):
+def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64, model=None, words_only: bool = False):
     """Save a tiny random Llama (or ``model``) + WordLevel tokenizer.json + ChatML template in ``d``;
-    return the model."""
+    return the model. ``words_only``: the model never picks a special token (<unk>, <s>, </s>: their
+    output rows zeroed, their logits 0 below the words' maximum), so greedy answers are words that
+    decode and re-encode to the same ids, and run to max_new_tokens."""
     import tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -129,6 +131,10 @@ def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64, model=None):
         config = LlamaConfig(**{**TINY, "vocab_size": len(WORDS), "max_position_embeddings": max_position_embeddings},
                              bos_token_id=1, eos_token_id=2)
         model = LlamaForCausalLM(config).eval()
+        if words_only:
+            with torch.no_grad():
+                model.lm_head.weight[:3] = 0.0
+                model.lm_head.weight[3:] *= 20  # decisive word logits
     model.save_pretrained(d)
     return model
 

@@ -15,7 +15,7 @@ EXPECTED = ERRORS | {
     "jit", "JittedModel", "JitStats",  # HF-style calls
     "export", "load", "Artifact", "Manifest",  # artifacts
     "Session", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
-    "Chunk",  # running
+    "Chunk", "Conversation", "Turn", "TurnStats",  # running
     "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
     "lint", "LintReport", "Finding",  # tools
 }

@@ -7,6 +7,7 @@ the plug-in points are ``kvtrace.backends``, ``kvtrace.cache.kinds`` and ``kvtra
     kvtrace.export("smollm2-135m-instruct", "m.kvt", max_seq_len=512)
     art = kvtrace.load("m.kvt"); s = art.session(); s.prefill(tokens); s.decode(tok)
     s.prefill(tokens, cross_attention_states=x)   # vision decoders: named prefill inputs
+    chat = art.conversation(); turn = chat.ask("Hi"); [c.text for c in turn]   # multi-turn, cache kept
     kvtrace.verify(reference, candidates, [tokens, kvtrace.Prompt(tokens, {"cross_attention_states": x})])
 """
 
@@ -57,6 +58,9 @@ _LAZY = {
     "GenerationResult": "kvtrace.runtime.generate",
     "GenerationStats": "kvtrace.runtime.generate",
     "Chunk": "kvtrace.runtime.generate",
+    "Conversation": "kvtrace.runtime.chat",
+    "Turn": "kvtrace.runtime.chat",
+    "TurnStats": "kvtrace.runtime.chat",
     # tools
     "verify": "kvtrace.tools.verify",
     "VerifyReport": "kvtrace.tools.verify",
@@ -79,6 +83,7 @@ __all__ = [
     "CacheSpec",
     "CaptureError",
     "Chunk",
+    "Conversation",
     "Decoder",
     "EagerRunner",
     "Finding",
@@ -103,6 +108,8 @@ __all__ = [
     "Snapshot",
     "SourceError",
     "StepRow",
+    "Turn",
+    "TurnStats",
     "UnsupportedError",
     "UsageError",
     "VerifyReport",

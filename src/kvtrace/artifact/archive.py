@@ -48,10 +48,11 @@ from typing import Any
 
 import torch
 
-from kvtrace._errors import ArtifactError
+from kvtrace._errors import ArtifactError, UsageError
 from kvtrace.artifact import reader
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
+from kvtrace.runtime.chat import Conversation
 from kvtrace.runtime.session import Session
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.manifest import FORMAT, TOKENIZER, VERSION, WEIGHTS, Manifest, ModelInfo, clip
@@ -83,6 +84,16 @@ class Artifact:
                        vocab_size=self.manifest.vocab_size, extra=extra,
                        prefill_logits=self.manifest.programs["prefill"].logits,
                        key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity)
+
+    def conversation(self, system: str | None = None) -> Conversation:
+        """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).
+        Needs the artifact's tokenizer and chat template."""
+        tok, m = self.tokenizer(), self.manifest
+        if tok is None or m.chat_template is None:
+            raise UsageError(f"{self.path} has no {'tokenizer' if tok is None else 'chat template'}, so it cannot "
+                             "chat; export it from a model source that has one (or generate with --raw)")
+        return Conversation(self.session(), tok, template=m.chat_template, bos_id=m.bos_id, eos_ids=m.eos_ids,
+                            system=system)
 
     @property
     def identity(self) -> str:

@@ -13,12 +13,13 @@ from collections.abc import Sequence
 
 from kvtrace import __version__
 from kvtrace._errors import CaptureError, KvtraceError
-from kvtrace.cli import bench, cache, export, generate, lint, run, verify
+from kvtrace.cli import bench, cache, chat, export, generate, lint, run, verify
 from kvtrace.cli.args import Parser, common
 from kvtrace.cli.ui import UI
 
 EXAMPLES = {
     "generate": 'kvtrace generate "Who\'s the founder of Meta?"\n  echo "Hi" | kvtrace generate - --temperature 0.7 --seed 1',
+    "chat": "kvtrace chat            (the default model; /help inside)\n  kvtrace chat smollm2.kvt --system \"Answer briefly.\"",
     "export": "kvtrace export smollm2-135m-instruct -o smollm2.kvt --max-seq-len 1024 --backend aoti",
     "run": 'kvtrace run smollm2.kvt --prompt "Who\'s the founder of Meta?" --max-len 128\n'
            '  kvtrace run vision.kvt --prompt "Describe the image." --image-features image.safetensors',
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     generate.register(add)
+    chat.register(add)
     export.register(add)
     run.register(add)
     verify.register(add)
