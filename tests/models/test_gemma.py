@@ -35,9 +35,24 @@ MODELS = {
 }
 
 
+def _with_norms(model: torch.nn.Module, seed: int = 1) -> torch.nn.Module:
+    """HF initialises every Gemma norm weight to 0 ((1 + w) = 1): give each its own random weight, so that a
+    norm scaled by w instead of 1 + w, skipped, or read from the wrong HF norm changes the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for mod in model.modules():
+            if type(mod).__name__.endswith("RMSNorm"):
+                mod.weight.copy_(0.5 * torch.randn(mod.weight.shape, generator=gen))
+    return model
+
+
+def _tiny(arch: str, dtype: torch.dtype = torch.float32, **overrides: Any) -> torch.nn.Module:
+    return _with_norms(tiny_model(arch, **overrides)).to(dtype)
+
+
 def _model(name: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     arch, overrides, _, _ = MODELS[name]
-    return tiny_model(arch, dtype, **overrides)
+    return _tiny(arch, dtype, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +114,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_forward_matches_hf(variant):
     arch, overrides = VARIANTS[variant]
-    model = tiny_model(arch, **overrides)
+    model = _tiny(arch, **overrides)
     dec = make_decoder(model, max_seq_len=MAX_SEQ_LEN)
     assert type(dec) is gemma.GemmaDecoder
     assert dec.args.tie_embeddings is overrides.get("tie_word_embeddings", True)
@@ -110,6 +125,22 @@ def test_forward_matches_hf(variant):
     assert (got - want).abs().max().item() <= 1e-4
     if overrides.get("final_logit_softcapping"):
         assert want.abs().max().item() <= overrides["final_logit_softcapping"]
+
+
+def test_every_norm_weight_reaches_the_logits():
+    """The forward checks above are sensitive to each norm: dropping any one of its weights (as if never copied
+    from HF) moves the logits far beyond the tolerance."""
+    model = _tiny("gemma3_text")
+    tokens, pos = torch.tensor([[(7 * i + 3) % 128 for i in range(12)]]), torch.arange(12)
+    want = model(tokens).logits
+    dec = make_decoder(model, max_seq_len=MAX_SEQ_LEN)
+    names = [n for n, _ in dec.named_parameters() if n == "norm" or n.endswith("norm")]
+    assert len(names) == 1 + 2 * 6  # final + per layer: attn, post-attn, pre-MLP, post-MLP, q, k
+    for name in names:
+        broken = copy.deepcopy(dec)
+        broken.get_parameter(name).zero_()
+        got = broken.forward_live(tokens, pos, pos, *_state(broken))
+        assert (got - want).abs().max().item() > 1e-2, name
 
 
 def _assert_exact_beyond_the_window(name: str, model: torch.nn.Module, art: Any, runner: str) -> dict[str, float]:
