@@ -47,7 +47,7 @@ def test_length_dependent_rope_falls_through_to_the_general_family():
 
 def test_families_are_asked_specialised_first():
     names = [f.name for f in families()]
-    assert names == ["mllama", "llama", "hf"]
+    assert names == ["mllama", "llama", "gemma", "hf"]
     assert [f.priority for f in families()] == sorted(f.priority for f in families())
 
 
@@ -125,12 +125,13 @@ def test_register_and_unregister_refuse_what_they_cannot_do():
         unregister("nope")
     with pytest.raises(UsageError, match="no registered model family named 'hf'"):
         unregister("hf")  # built-ins stay
-    assert [f.name for f in families()] == ["mllama", "llama", "hf"]
+    assert [f.name for f in families()] == ["mllama", "llama", "gemma", "hf"]
 
 
 def test_importing_the_registry_imports_no_family():
     code = ("import sys, kvtrace.models.registry as r\n"
             "assert not any(m in sys.modules for m in r.BUILTIN), [m for m in r.BUILTIN if m in sys.modules]\n"
-            "assert [f.name for f in r.families()] == ['mllama', 'llama', 'hf']\n")
+            "assert [f.name for f in r.families()] == ['mllama', 'llama', 'gemma', 'hf']\n")
     subprocess.run([sys.executable, "-c", code], check=True)
-    assert registry.BUILTIN == ("kvtrace.models.mllama", "kvtrace.models.llama", "kvtrace.models.hf_generic")
+    assert registry.BUILTIN == ("kvtrace.models.mllama", "kvtrace.models.llama", "kvtrace.models.gemma",
+                                "kvtrace.models.hf_generic")

@@ -6,5 +6,8 @@ the families in order), ``llama`` (Llama-architecture decoders written out direc
 causal LM behind the uniform step; asked last). Each family module defines its ``FAMILY``; adding a
 family is one module plus its name in ``registry.BUILTIN`` (or a ``registry.register`` call).
 
+``gemma``: Gemma, Gemma 2 and Gemma 3 text written out (scaled embeddings, (1 + w) norms, soft-capping,
+q/k norms, per-layer-type RoPE, hybrid local/global layers as rings); asked with ``llama``.
+
 May import: ``spec``, ``cache``.
 """

@@ -27,7 +27,7 @@ from kvtrace.spec.decoder import Decoder
 __all__ = ["BUILTIN", "Family", "families", "family_for", "make_decoder", "register", "unregister"]
 
 # Built-in family modules, each defining FAMILY.
-BUILTIN = ("kvtrace.models.mllama", "kvtrace.models.llama", "kvtrace.models.hf_generic")
+BUILTIN = ("kvtrace.models.mllama", "kvtrace.models.llama", "kvtrace.models.gemma", "kvtrace.models.hf_generic")
 
 
 @dataclass(frozen=True)
