@@ -82,8 +82,10 @@ def test_exported_rings_match_eager_beyond_twice_the_window(arch, built):
 def test_bf16_rings_pass_with_the_fp32_reference(arch, tmp_path):
     low = tiny_model(arch, torch.bfloat16, **MODELS[arch][0])
     high = copy.deepcopy(low).float()
-    kvtrace.export(low, tmp_path / "m.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported")
-    report = verify(EagerRunner(low), [SessionRunner(kvtrace.load(tmp_path / "m.kvt").session(), "exported")],
+    kvtrace.export(low, tmp_path / "m.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported", dtype="bfloat16")
+    art = kvtrace.load(tmp_path / "m.kvt")
+    assert art.cache_spec.dtype == "bfloat16"  # export's default is float32: the bf16 rings must be the ones run
+    report = verify(EagerRunner(low), [SessionRunner(art.session(), "exported")],
                     PROMPTS, steps=STEPS, dtype=torch.bfloat16, fp32=EagerRunner(high, "fp32"))
     assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
     assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
