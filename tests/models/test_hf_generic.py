@@ -39,13 +39,14 @@ MODELS: dict[str, tuple[dict[str, Any], list[LayerKind]]] = {
     "phi3": (dict(sliding_window=WINDOW), [S, S]),
     "mistral": (dict(sliding_window=WINDOW), [S, S]),
     "gpt2": ({}, [F, F]),  # absolute position embeddings, Conv1D projections: nothing kvtrace knows of
+    "gpt_oss": (dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]), [S, F]),  # sinks, MoE
 }
 assert set(FAMILY_ARCHS) <= set(MODELS)
 
 
 def make(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """conftest's tiny model; Qwen3 with a window and GPT-2, which tiny_model does not build, built alike here."""
-    if arch not in ("gpt2", "qwen3"):
+    """conftest's tiny model; Qwen3 with a window, GPT-2 and GPT-OSS, which tiny_model does not build, built alike here."""
+    if arch not in ("gpt2", "qwen3", "gpt_oss"):
         return tiny_model(arch, dtype, **MODELS[arch][0])
     import transformers as tf
 
@@ -53,12 +54,20 @@ def make(arch: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
         cfg = tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=512, bos_token_id=1,
                             eos_token_id=2)
         cls = tf.GPT2LMHeadModel
-    else:
+    elif arch == "qwen3":
         cfg, cls = tf.Qwen3Config(**TINY, head_dim=16, **MODELS[arch][0]), tf.Qwen3ForCausalLM
+    else:
+        cfg = tf.GptOssConfig(**TINY, head_dim=16, num_local_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                              bos_token_id=1, eos_token_id=2, **MODELS[arch][0])
+        cls = tf.GptOssForCausalLM
     torch.manual_seed(0)
     model = cls(cfg).eval().requires_grad_(False)
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(20)  # decisive greedy picks, as conftest's tiny models
+        if arch == "gpt_oss":
+            model.get_output_embeddings().weight.mul_(20)
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_()  # initialised to 0; sinks that matter
     return model.to(dtype)
 
 
