@@ -97,13 +97,11 @@ def _class_refusal(cls: type) -> str | None:
 
 def refusal(config: Any) -> str | None:
     """Why the general HF decoder cannot export ``config`` (one clause), or None when it can."""
-    if getattr(config, "is_encoder_decoder", False):
-        return "it is an encoder-decoder model; kvtrace exports decoder-only causal LMs"
     cfg = hfconfig.text_config(config)
+    if getattr(config, "is_encoder_decoder", False) or getattr(cfg, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model; kvtrace exports decoder-only causal LMs"
     if getattr(cfg, "cross_attention_layers", None):
         return f"its layers {list(cfg.cross_attention_layers)} cross-attend (vision decoders need their own family)"
-    if getattr(cfg, "is_encoder_decoder", False):
-        return "it is an encoder-decoder model; kvtrace exports decoder-only causal LMs"
     odd = _layer_type_refusal(cfg)
     if odd:
         return odd
@@ -167,9 +165,8 @@ class HFDecoder(torch.nn.Module):
                 raise UnsupportedError(f"layer {i}: the general HF decoder runs full and sliding cache layers, "
                                        f"not {layer.kind.value!r}")
         hf_attention.register()
-        config, configs = _config_copies(cfg)
+        _, configs = _config_copies(cfg)
         self.model = _share(model, configs, {})  # the caller's tensors, kvtrace's config: see the module docstring
-        self.model.__dict__["config"] = config
         self._cache_kw = cache_kwarg_name(model)
         rings = [kind_of(layer) is sliding.OPS for layer in self.cache_spec.layers]
         live = max_seq_len >= MIN_LIVE_PREFIX and not all(rings)  # some layer reads a live prefix
