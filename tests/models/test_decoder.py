@@ -48,9 +48,16 @@ def test_decoder_matches_hf_with_a_dynamic_cache(arch):
 
 
 def test_decoder_keeps_no_cache_of_its_own():
-    dec = HFDecoder(tiny_model("llama"), max_seq_len=8)
-    assert all(layer.keys is None and layer.values is None for layer in dec._template.layers)
+    model = tiny_model("llama")
+    dec = HFDecoder(model, max_seq_len=8)
     assert not [n for n, _ in dec.named_buffers() if "cache" in n or n.endswith((".keys", ".values"))]
+    theirs = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert all(t.data_ptr() in theirs for t in [*dec.parameters(), *dec.buffers()])  # the model's tensors only
+    state = dec.cache_spec.allocate()
+    with torch.no_grad():
+        dec(PROMPT, torch.arange(5), *state)
+    held = [t for m in dec.modules() for t in vars(m).values() if isinstance(t, torch.Tensor)]
+    assert not any(t.data_ptr() == s.data_ptr() for t in held for s in state)  # the call's cache stays the caller's
 
 
 def test_decoder_reads_positions_not_a_counter():
@@ -70,9 +77,9 @@ def test_decoder_reads_positions_not_a_counter():
 def test_unsupported_model_type_is_refused():
     import transformers as tf
 
-    cfg = tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=32, bos_token_id=0, eos_token_id=0)
-    model = tf.GPT2LMHeadModel(cfg).eval()
-    with pytest.raises(UnsupportedError, match="'gpt2' is not supported"):
+    cfg = tf.BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=32)  # ALiBi, its own attention
+    model = tf.BloomForCausalLM(cfg).eval()
+    with pytest.raises(UnsupportedError, match="'bloom' cannot be exported: BloomForCausalLM's attention does not go"):
         HFDecoder(model, max_seq_len=8)
 
 

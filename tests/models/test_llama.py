@@ -7,7 +7,6 @@ import torch
 from transformers import DynamicCache
 
 from conftest import TINY, tiny_model
-from kvtrace._errors import UnsupportedError
 from kvtrace.models.hf_generic import HFDecoder, hf_cache_spec
 from kvtrace.models.llama import LlamaDecoder, supports
 from kvtrace.models.registry import make_decoder
@@ -62,14 +61,13 @@ def test_other_architectures_use_the_general_decoder(arch):
     assert isinstance(make_decoder(model, max_seq_len=8), HFDecoder)
 
 
-def test_sliding_window_is_claimed_and_the_general_decoder_refuses_it():
+def test_sliding_window_is_claimed_and_the_general_decoder_runs_it_as_rings():
     model = tiny_model("mistral", sliding_window=4)
     assert supports(model.config)
     dec = make_decoder(model, max_seq_len=8)
     assert isinstance(dec, LlamaDecoder) and [x.max_len for x in dec.cache_spec.layers] == [4, 4]
     assert [p.method for p in dec.programs] == ["forward", "forward"]  # rings only: no live prefix to read
-    with pytest.raises(UnsupportedError, match=r"sliding window of 4 < max_seq_len 8.*--max-seq-len <= 4"):
-        HFDecoder(model, max_seq_len=8)
+    assert [x.max_len for x in HFDecoder(model, max_seq_len=8).cache_spec.layers] == [4, 4]  # rings there too
     assert isinstance(HFDecoder(model, max_seq_len=4), HFDecoder)  # the window covers the whole cache
 
 

@@ -54,11 +54,12 @@ def test_families_are_asked_specialised_first():
 def test_unsupported_model_type_is_one_line():
     import transformers as tf
 
-    cfg = tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=32, bos_token_id=0, eos_token_id=0)
-    with pytest.raises(UnsupportedError, match=r"model type 'gpt2' is not supported for export; supported: .*'llama'"):
+    cfg = tf.BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=32)  # the reason is named, not a list
+    with pytest.raises(UnsupportedError, match=r"model type 'bloom' is not supported for export: BloomForCausalLM's "
+                                               r"attention does not go through transformers' attention interface"):
         family_for(cfg)
-    with pytest.raises(UnsupportedError, match="'gpt2' is not supported") as e:
-        make_decoder(tf.GPT2LMHeadModel(cfg).eval(), max_seq_len=8)
+    with pytest.raises(UnsupportedError, match="'bloom' is not supported") as e:
+        make_decoder(tf.BloomForCausalLM(cfg).eval(), max_seq_len=8)
     assert "\n" not in str(e.value)
 
 
@@ -106,14 +107,14 @@ def test_a_registered_family_is_picked_until_unregistered():
 def test_a_family_can_cover_a_new_model_type_and_ties_go_to_the_first_registered():
     import transformers as tf
 
-    cfg = tf.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=32)
-    register(_toy("gpt2-a", priority=50, model_types=("gpt2",)))
-    register(_toy("gpt2-b", priority=50, model_types=("gpt2",)))
+    cfg = tf.BloomConfig(n_layer=1, hidden_size=16, n_head=2, vocab_size=32)  # no built-in family adapts Bloom
+    register(_toy("bloom-a", priority=50, model_types=("bloom",)))
+    register(_toy("bloom-b", priority=50, model_types=("bloom",)))
     try:
-        assert family_for(cfg).name == "gpt2-a"
+        assert family_for(cfg).name == "bloom-a"
     finally:
-        unregister("gpt2-a")
-        unregister("gpt2-b")
+        unregister("bloom-a")
+        unregister("bloom-b")
     with pytest.raises(UnsupportedError):
         family_for(cfg)
 

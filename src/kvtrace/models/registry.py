@@ -3,7 +3,8 @@
 A family is a predicate on the HF config plus a builder of its Decoder (``spec.decoder``)::
 
     Family(name, model_types, supports(config) -> bool,
-           build(model, *, max_seq_len, batch_size, image_tokens) -> Decoder, priority, vision)
+           build(model, *, max_seq_len, batch_size, image_tokens) -> Decoder, priority, vision,
+           refusal(config) -> str | None: why it says no, named in the error when no family does)
 
 ``make_decoder`` asks every family, lowest ``priority`` first (ties: registration order), and builds
 the first one whose ``supports`` accepts the config. Built-in families are each module's ``FAMILY``,
@@ -38,6 +39,7 @@ class Family:
     build: Callable[..., Decoder]  # build(model, *, max_seq_len, batch_size, image_tokens) -> Decoder
     priority: int = 50  # lower is asked first: specialised decoders before general ones
     vision: bool = False  # takes image_tokens (cross-attention over image features)
+    refusal: Callable[[Any], str | None] | None = None  # why ``supports`` says no (one clause), for the error
 
 
 _registered: list[Family] = []
@@ -77,8 +79,10 @@ def family_for(config: Any) -> Family:
     for f in ordered:
         if f.supports(config):
             return f
+    reasons = "; ".join(dict.fromkeys(r for f in ordered if f.refusal and (r := f.refusal(config))))
     covered = tuple(dict.fromkeys(t for f in ordered for t in f.model_types))
-    raise UnsupportedError(f"model type {config.model_type!r} is not supported for export; supported: {covered}")
+    raise UnsupportedError(f"model type {config.model_type!r} is not supported for export: "
+                           f"{reasons or f'no family adapts it (families cover {covered})'}")
 
 
 def make_decoder(model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1,

@@ -5,7 +5,8 @@ composite config (e.g. a vision-language model) is read through its decoder's te
 
     text_config(config)        the decoder's config (``get_text_config(decoder=True)``), else config itself
     head_dim(cfg)              ``cfg.head_dim`` when set, else hidden_size // num_attention_heads
-    kv_heads(cfg)              ``cfg.num_key_value_heads`` when set, else num_attention_heads (no GQA)
+    kv_heads(cfg)              ``cfg.num_key_value_heads`` when set (and a field of its config class), else
+                               num_attention_heads (no GQA)
     rope_type(cfg)             "default", "llama3", "longrope", ... (transformers 5 and 4.x spellings)
     max_positions(cfg)         ``max_position_embeddings``, or None when the config declares none
     check_max_seq_len(...)     UsageError when a cache would outgrow the model's positions
@@ -39,7 +40,9 @@ def head_dim(config: Any) -> int:
 def kv_heads(config: Any) -> int:
     """H_kv: key/value heads (fewer than the query heads under grouped-query attention)."""
     cfg = text_config(config)
-    return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    fields = getattr(type(cfg), "__dataclass_fields__", None)  # transformers 5 configs: declared fields
+    declared = fields is None or "num_key_value_heads" in fields  # GPT-NeoX's would be a stray kwarg
+    return (getattr(cfg, "num_key_value_heads", None) if declared else None) or cfg.num_attention_heads
 
 
 def rope_type(config: Any) -> str:
