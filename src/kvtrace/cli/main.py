@@ -8,7 +8,9 @@ Errors are one line on stderr; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import warnings
 from collections.abc import Sequence
 
 from kvtrace import __version__
@@ -56,9 +58,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _quiet_libraries() -> None:
+    """Keep third-party noise out of the terminal: transformers' and huggingface_hub's progress bars
+    (kvtrace shows its own progress) and deprecation warnings addressed to library authors, not users.
+    ``--debug`` keeps them; a variable the user set wins."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    for category in (FutureWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", category=category)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.debug:
+        _quiet_libraries()
     json_mode = args.json is True
     ui = UI(args.quiet, json_mode)
     try:
