@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from conftest import TINY, tiny_model, tiny_phi3_longrope
+from conftest import TINY, tiny_model
 from kvtrace._errors import UnsupportedError
 from kvtrace.models.hf_generic import HFDecoder, hf_cache_spec
 from kvtrace.models.llama import LlamaDecoder, supports
@@ -58,7 +58,7 @@ def test_bias_and_tied_embeddings_are_carried():
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
 def test_configs_it_does_not_reproduce_use_the_general_decoder(arch):
     # qwen3 and phi3 are on the fast path now (test_llama_families.py); these variations of them are not
-    model = tiny_model("qwen3", hidden_act="gelu") if arch == "qwen3" else tiny_phi3_longrope()
+    model = tiny_model(arch, hidden_act="gelu" if arch == "qwen3" else "gelu_new")
     assert not supports(model.config)
     assert isinstance(make_decoder(model, max_seq_len=8), HFDecoder)
 

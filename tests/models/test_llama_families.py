@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import kvtrace
-from conftest import tiny_model, tiny_phi3_longrope
+from conftest import TINY, tiny_model
 from kvtrace._errors import UnsupportedError
 from kvtrace.models import registry
 from kvtrace.models.hf_generic import hf_cache_spec
@@ -25,6 +25,13 @@ WINDOW, MAX_SEQ_LEN, STEPS = 8, 48, 30
 PROMPTS = ([5, 17, 42, 8, 99, 3, 64, 7, 1, 2, 9], [3, 11, 2, 4, 5, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17, 18])
 FULL, SLIDING = LayerKind.FULL, LayerKind.SLIDING
 PARTIAL_ROPE = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+# Phi-3 LongRoPE switching at 16 (HF reads original_max_position_embeddings from the config's top level): the
+# 11-token prompt crosses it while decoding, the 17-token prefill is past it from the start.
+SWITCH, HALF = 16, TINY["hidden_size"] // TINY["num_attention_heads"] // 2
+LONGROPE = dict(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "short_factor": [1.0 + 0.05 * i for i in range(HALF)],
+                                 "long_factor": [1.5 + 0.5 * i for i in range(HALF)]},
+                max_position_embeddings=64, original_max_position_embeddings=SWITCH)
 # name -> (arch, config overrides, layer kinds, what LlamaDecoder must have read from the config)
 FAMILIES: dict[str, tuple[str, dict[str, Any], list[LayerKind], dict[str, Any]]] = {
     "qwen3": ("qwen3", {}, [FULL, FULL], dict(qk_norm="head", head_dim=16)),
@@ -36,6 +43,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any], list[LayerKind], dict[str, Any]]]
     "olmo2": ("olmo2", {}, [FULL, FULL], dict(post_norms=True, norm_upcast=True, qk_norm="proj")),
     "phi3": ("phi3", {}, [FULL, FULL], dict(qk_norm=None)),
     "phi3-partial": ("phi3", dict(rope_parameters=PARTIAL_ROPE), [FULL, FULL], dict(qk_norm=None)),
+    "phi3-longrope": ("phi3", LONGROPE, [FULL, FULL], dict(rope_switch=SWITCH)),
+    "phi3-sliding": ("phi3", dict(sliding_window=WINDOW), [SLIDING, SLIDING], dict(rope_switch=None)),
 }
 
 
@@ -70,6 +79,7 @@ def test_the_fast_path_claims_the_family_and_reads_its_quirks(name):
     assert [x.kind for x in dec.cache_spec.layers] == FAMILIES[name][2]
     if name == "phi3-partial":  # the RoPE table covers the rotated half of each head only
         assert dec.rope_cos.shape == (MAX_SEQ_LEN, dec.args.head_dim // 2)
+    assert hasattr(dec, "rope_cos_long") == (name == "phi3-longrope")
 
 
 def _assert_exact(name: str, model: torch.nn.Module, art: Any, runner: str) -> None:
@@ -117,8 +127,11 @@ FALLS_THROUGH = {
     "smollm3": lambda: tiny_model("smollm3", mlp_bias=True),
     "granite": lambda: tiny_model("granite", hidden_act="gelu"),
     "olmo2": lambda: tiny_model("olmo2", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
-    "phi3": tiny_phi3_longrope,  # longrope: every position switches factors past the original length
+    "phi3": lambda: tiny_model("phi3", hidden_act="gelu_new"),
     "phi3-partial": lambda: tiny_model("phi3", hidden_act="gelu_new", rope_parameters=PARTIAL_ROPE),
+    # longrope is reproduced for Phi-3 only (its checkpoints); another family's longrope stays general
+    "phi3-longrope": lambda: tiny_model("llama", **LONGROPE),
+    "phi3-sliding": lambda: tiny_model("phi3", sliding_window=WINDOW, hidden_act="gelu_new"),
 }
 
 
@@ -145,3 +158,23 @@ def test_a_bias_the_config_does_not_announce_is_refused_not_dropped():
     model.model.layers[1].self_attn.o_proj.bias = None  # only layer 0 has one now: refused, not dropped
     with pytest.raises(UnsupportedError, match="o_proj"):
         LlamaDecoder.from_hf(model, spec)
+
+
+def test_longrope_past_the_switch_needs_the_long_table():
+    """The switch is real at these positions: the short table alone (no switch) misses HF's keys past it."""
+    from transformers import DynamicCache
+
+    model = _model("phi3-longrope")
+    dec = registry.make_decoder(model, max_seq_len=MAX_SEQ_LEN)
+    assert not torch.equal(dec.rope_cos_long, dec.rope_cos)
+    ids = torch.tensor([PROMPTS[1] + [20, 21, 22]])  # 20 positions: past the switch at 16, so all of them long
+    cache, exact, short_only = DynamicCache(config=model.config), dec.cache_spec.allocate(), dec.cache_spec.allocate()
+    with torch.no_grad():
+        model(input_ids=ids, cache=cache, use_cache=True)
+        dec(ids, torch.arange(ids.shape[1]), *exact)
+        dec.rope_cos_long.copy_(dec.rope_cos)
+        dec.rope_sin_long.copy_(dec.rope_sin)
+        dec(ids, torch.arange(ids.shape[1]), *short_only)
+    hf_k0 = cache.layers[0].keys  # [1, H_kv, 20, D]
+    assert (exact[0][:, :, :20] - hf_k0).abs().max() <= 1e-5
+    assert (short_only[0][:, :, :20] - hf_k0).abs().max() > 1e-1

@@ -1,10 +1,11 @@
 """LlamaDecoder: a small, direct Llama-family decoder over a declared static cache (gpt-fast style).
 
 Built from an HF model's weights and config (Llama, SmolLM2, Qwen2, Mistral, Qwen3, SmolLM3, Granite, OLMo2,
-Phi-3; with or without a sliding window); each family's quirks are ``LlamaArgs`` fields read once from the
-config (``llama_args.py``); verified against the HF model by ``kvtrace verify``. It exists because a lean
-graph compiles to a lean program: q/k/v and gate/up projections are fused into one matmul each, RoPE is a table lookup
-by ``input_pos``, and the cache is written with one ``index_copy_`` per tensor.
+Phi-3 incl. LongRoPE; with or without a sliding window); each family's quirks are ``LlamaArgs`` fields read
+once from the config (``llama_args.py``); verified against the HF model by ``kvtrace verify``. It exists
+because a lean graph compiles to a lean program: q/k/v and gate/up projections are fused into one matmul
+each, RoPE is a table lookup by ``input_pos`` (LongRoPE: two tables, the call's max position picks one), and
+the cache is written with one ``index_copy_`` per tensor, in one function (``cached_attention``).
 
 Decoder contract (see spec/decoder.py)::
 
@@ -15,12 +16,14 @@ Decoder contract (see spec/decoder.py)::
 The exported programs use ``forward_live(tokens, input_pos, key_pos [L], *state)``: the same, but
 attention reads only the live prefix ``[0, L)`` of each cache (L symbolic), so a short conversation
 does not pay for max_seq_len (see ``ProgramSpec.key_pos``). Sliding-window layers (Mistral's
-``sliding_window``, Qwen2's ``use_sliding_window`` layers) attend over their ring plus the call's own keys,
+``sliding_window``, Qwen2's / Qwen3's ``use_sliding_window`` layers) attend over their ring plus the call's own keys,
 masked by each slot's position (``sliding.attention_inputs``); a cache of sliding layers only exports
 ``forward``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -172,7 +175,8 @@ class LlamaDecoder(nn.Module):
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
 
-    def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+    def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                 rope_long: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         dtype = spec.torch_dtype
         self.args = a
@@ -185,6 +189,9 @@ class LlamaDecoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", rope_cos, persistent=True)  # [S_max, D]
         self.register_buffer("rope_sin", rope_sin, persistent=True)
+        if a.rope_switch is not None:  # longrope: the long factors' table, [S_max, D] each
+            self.register_buffer("rope_cos_long", rope_long[0], persistent=True)
+            self.register_buffer("rope_sin_long", rope_long[1], persistent=True)
         self._rings = tuple(kind_of(layer) is sliding.OPS for layer in spec.layers)  # attention over a ring
         live = spec.max_seq_len >= MIN_LIVE_PREFIX and not all(self._rings)  # some layer reads a live prefix
         self.programs = LIVE_PROGRAMS if live else DEFAULT_PROGRAMS
@@ -205,6 +212,10 @@ class LlamaDecoder(nn.Module):
         if a.embedding_multiplier != 1.0:  # LlamaArgs fields: trace-time constants, never runtime branches
             x = x * a.embedding_multiplier
         cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D_rot]
+        if a.rope_switch is not None:  # longrope, as HF: all of a call's positions go long once its last passes
+            long = input_pos.max() + 1 > a.rope_switch  # [] (a tensor: the cache keeps what each call wrote)
+            cos = torch.where(long, self.rope_cos_long[input_pos], cos)
+            sin = torch.where(long, self.rope_sin_long[input_pos], sin)
         keys = key_pos if key_pos is not None else torch.arange(self.cache_spec.max_seq_len, device=tokens.device)
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
         mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
@@ -228,8 +239,12 @@ class LlamaDecoder(nn.Module):
         qkv = att.qkv_proj if hasattr(att, "qkv_proj") else att.q_proj  # Phi-3 fuses q/k/v in HF already
         a = read_args(cfg, qkv_bias=qkv.bias is not None, o_bias=att.o_proj.bias is not None,
                       tie_embeddings=model.lm_head.weight.data_ptr() == hf.embed_tokens.weight.data_ptr())
-        cos, sin = _rope_table(hf.rotary_emb, spec.max_seq_len, spec.torch_dtype)
-        dec = cls(a, spec, cos, sin)
+        n, rotary = spec.max_seq_len, hf.rotary_emb
+        if a.rope_switch is None:
+            dec = cls(a, spec, *_rope_table(rotary, n, spec.torch_dtype))
+        else:  # the short factors' table (HF's original_inv_freq: inv_freq itself may hold the long ones by now)
+            short = _rope_table(rotary, n, spec.torch_dtype, rotary.original_inv_freq)
+            dec = cls(a, spec, *short, _rope_table(rotary, n, spec.torch_dtype, _long_inv_freq(rotary, cfg)))
         dt = spec.torch_dtype
         with torch.no_grad():
             dec.tok_embeddings.weight.copy_(hf.embed_tokens.weight.to(dt))
@@ -284,13 +299,28 @@ def copy_hf_mlp(mine: nn.Module, hf_mlp: nn.Module, dt: torch.dtype) -> None:
     mine.w2.weight.copy_(hf_mlp.down_proj.weight.to(dt))
 
 
-def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [n, D] exactly as HF's rotary embedding computes them for positions 0..n-1."""
+def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype,
+                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, D] exactly as HF's rotary embedding computes them for positions 0..n-1 (from
+    ``rotary.inv_freq``, or ``inv_freq [D/2]``)."""
     pos = torch.arange(n, dtype=torch.float32)
-    freqs = pos[:, None] * rotary.inv_freq.float()[None, :]  # [n, D/2]
+    freqs = pos[:, None] * (rotary.inv_freq if inv_freq is None else inv_freq).float()[None, :]  # [n, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
     scale = getattr(rotary, "attention_scaling", 1.0)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def _long_inv_freq(rotary: nn.Module, cfg: Any) -> torch.Tensor:
+    """longrope's long-factor frequencies [D/2], as HF's longrope_frequency_update gets them (its cached
+    ``long_inv_freq``, else the rope init function at original_max_position_embeddings + 1) and then uses
+    them: copied into the ``inv_freq`` buffer, so rounded to that buffer's dtype (bf16 after ``model.to``)."""
+    long = getattr(rotary, "long_inv_freq", None)
+    if long is None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        switch = cfg.rope_parameters["original_max_position_embeddings"]
+        long = ROPE_INIT_FUNCTIONS["longrope"](cfg, None, seq_len=switch + 1)[0]
+    return long.to(rotary.inv_freq.dtype)
 
 
 def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> LlamaDecoder:

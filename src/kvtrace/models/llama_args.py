@@ -13,7 +13,9 @@ constant, never a runtime branch); per-layer quirks are tuples of layer indices:
              RMSNorm over the whole projection, norms that      norm_upcast
              scale in fp32 before casting back
     phi3     fused qkv_proj / gate_up_proj (weights only);      (the RoPE table is rotary_dim wide)
-             partial_rotary_factor
+             partial_rotary_factor; longrope (every position    rope_switch (a second, long table)
+             of a call uses the long factors once its last
+             position + 1 exceeds original_max_position_...)
 
 ``supports(config)`` is strict: anything else (other activations, MLP biases, RoPE whose frequencies depend
 on the sequence length, layer types other than full / sliding attention, a family's unknown flags) is
@@ -35,7 +37,8 @@ MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "smollm3", "granite", "olmo
 # RoPE variants whose frequencies depend on the whole sequence's length, not only on a position: HF's
 # longrope switches every position to the long factors once the sequence passes
 # original_max_position_embeddings, dynamic NTK rescales past max_position_embeddings. A table indexed by
-# input_pos cannot express that; such models go through HFDecoder, which traces HF's own rotary code.
+# input_pos cannot express that; such models go through HFDecoder, which traces HF's own rotary code. Except
+# Phi-3's longrope (the longrope checkpoints): two tables and a per-call switch on max(input_pos) reproduce it.
 LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
 _GRANITE = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 _LAYER_TYPES = (hfconfig.FULL_ATTENTION, hfconfig.SLIDING_ATTENTION)
@@ -62,6 +65,7 @@ class LlamaArgs:
     residual_multiplier: float = 1.0  # Granite: attention and MLP outputs scaled by this before the add
     attention_scale: float | None = None  # SDPA scale; None: 1/sqrt(head_dim) (Granite: attention_multiplier)
     logits_scaling: float = 1.0  # Granite: logits divided by this
+    rope_switch: int | None = None  # longrope (Phi-3): a call whose last position + 1 exceeds this uses long factors
 
 
 def _partial_rotary_factor(cfg: Any) -> float:
@@ -75,13 +79,21 @@ def _no_rope_flags(cfg: Any) -> list[int]:
     return flags if len(flags) == cfg.num_hidden_layers and set(flags) <= {0, 1} else []
 
 
+def _longrope_switch(cfg: Any) -> int | None:
+    """Phi-3's longrope switch point (rope_parameters' original_max_position_embeddings), else None."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    switch = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    return int(switch) if switch else None
+
+
 def supports(config: Any) -> bool:
     """True when the HF config is a Llama-family decoder this decoder reproduces exactly (module docstring)."""
     cfg = hfconfig.text_config(config)
     family = cfg.model_type
     if family not in MODEL_TYPES or getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
         return False
-    if hfconfig.rope_type(cfg) in LENGTH_DEPENDENT_ROPE:
+    rope = hfconfig.rope_type(cfg)
+    if rope in LENGTH_DEPENDENT_ROPE and not (rope == "longrope" and family == "phi3" and _longrope_switch(cfg)):
         return False
     if _partial_rotary_factor(cfg) != 1.0 and family != "phi3":  # only Phi-3's apply_rotary_pos_emb slices
         return False
@@ -113,5 +125,6 @@ def read_args(config: Any, *, qkv_bias: bool, o_bias: bool, tie_embeddings: bool
         residual_multiplier=float(cfg.residual_multiplier) if granite else 1.0,
         attention_scale=float(cfg.attention_multiplier) if granite else None,
         logits_scaling=float(cfg.logits_scaling) if granite else 1.0,
+        rope_switch=_longrope_switch(cfg) if hfconfig.rope_type(cfg) == "longrope" else None,
     )
 
