@@ -1,6 +1,6 @@
-"""More HF families on LlamaDecoder's fast path (Qwen3, SmolLM3, Granite, OLMo2, Phi-3), each with its quirks
-switched on: exported and verified against HF eager (logits and every cache layer's valid slots) far beyond
-a sliding window; config variations the fast path does not reproduce fall through to the general path."""
+"""More HF families on LlamaDecoder's fast path (Qwen3, SmolLM3, Granite, OLMo2, Phi-3 incl. LongRoPE), each
+with its quirks switched on: exported and verified against HF eager (logits and every cache layer's valid
+slots) far beyond a sliding window; config variations the fast path does not reproduce fall through."""
 
 from __future__ import annotations
 
@@ -80,6 +80,10 @@ def test_the_fast_path_claims_the_family_and_reads_its_quirks(name):
     if name == "phi3-partial":  # the RoPE table covers the rotated half of each head only
         assert dec.rope_cos.shape == (MAX_SEQ_LEN, dec.args.head_dim // 2)
     assert hasattr(dec, "rope_cos_long") == (name == "phi3-longrope")
+    if name.startswith("phi3"):  # HF's fused projections, copied as they are (q, k, v rows; gate, up rows)
+        att, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+        assert torch.equal(dec.layers[0].wqkv.weight, att.qkv_proj.weight)
+        assert torch.equal(dec.layers[0].w13.weight, mlp.gate_up_proj.weight)
 
 
 def _assert_exact(name: str, model: torch.nn.Module, art: Any, runner: str) -> None:
