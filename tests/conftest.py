@@ -53,7 +53,7 @@ def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: in
         cfg = tf.Qwen2Config(**{"use_sliding_window": False, **cfg_kwargs})
         cls = tf.Qwen2ForCausalLM
     elif arch == "qwen3":
-        cfg = tf.Qwen3Config(**cfg_kwargs, head_dim=16, use_sliding_window=False)
+        cfg = tf.Qwen3Config(**{"head_dim": 16, "use_sliding_window": False, **cfg_kwargs})
         cls = tf.Qwen3ForCausalLM
     elif arch == "mistral":
         cfg = tf.MistralConfig(**{"sliding_window": None, **cfg_kwargs})

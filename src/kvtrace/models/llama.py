@@ -1,9 +1,11 @@
 """LlamaDecoder: a small, direct Llama-family decoder over a declared static cache (gpt-fast style).
 
-Built from an HF model's weights and config (Llama, SmolLM2, Qwen2, Mistral, with or without a sliding window);
-verified against the HF model by ``kvtrace verify``. It exists because a lean graph compiles to a
-lean program: q/k/v and gate/up projections are fused into one matmul each, RoPE is a table lookup
-by ``input_pos``, and the cache is written with one ``index_copy_`` per tensor.
+Built from an HF model's weights and config (Llama, SmolLM2, Qwen2, Mistral, Qwen3, SmolLM3, Granite, OLMo2,
+Phi-3 incl. LongRoPE; with or without a sliding window); each family's quirks are ``LlamaArgs`` fields read
+once from the config (``llama_args.py``); verified against the HF model by ``kvtrace verify``. It exists
+because a lean graph compiles to a lean program: q/k/v and gate/up projections are fused into one matmul
+each, RoPE is a table lookup by ``input_pos`` (LongRoPE: two tables, the call's max position picks one), and
+the cache is written with one ``index_copy_`` per tensor, in one function (``cached_attention``).
 
 Decoder contract (see spec/decoder.py)::
 
@@ -14,14 +16,13 @@ Decoder contract (see spec/decoder.py)::
 The exported programs use ``forward_live(tokens, input_pos, key_pos [L], *state)``: the same, but
 attention reads only the live prefix ``[0, L)`` of each cache (L symbolic), so a short conversation
 does not pay for max_seq_len (see ``ProgramSpec.key_pos``). Sliding-window layers (Mistral's
-``sliding_window``, Qwen2's ``use_sliding_window`` layers) attend over their ring plus the call's own keys,
+``sliding_window``, Qwen2's / Qwen3's ``use_sliding_window`` layers) attend over their ring plus the call's own keys,
 masked by each slot's position (``sliding.attention_inputs``); a cache of sliding layers only exports
 ``forward``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,112 +33,125 @@ from kvtrace._errors import UnsupportedError
 from kvtrace.cache import full, sliding
 from kvtrace.cache.kinds import kind_of
 from kvtrace.models.hf_generic import hf_cache_spec
+from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
 from kvtrace.models.registry import Family
 from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import DEFAULT_PROGRAMS, ProgramSpec
 
-__all__ = ["FAMILY", "LlamaArgs", "LlamaDecoder", "supports"]
+__all__ = ["FAMILY", "LENGTH_DEPENDENT_ROPE", "LlamaArgs", "LlamaDecoder", "supports"]
 
-MODEL_TYPES = ("llama", "qwen2", "mistral")
-# RoPE variants whose frequencies depend on the whole sequence's length, not only on a position: HF's
-# longrope switches every position to the long factors once the sequence passes
-# original_max_position_embeddings, dynamic NTK rescales past max_position_embeddings. A table indexed by
-# input_pos cannot express that; such models go through HFDecoder, which traces HF's own rotary code.
-LENGTH_DEPENDENT_ROPE = ("longrope", "dynamic")
 # Caches this small attend to every slot: nothing to save, and export needs example lengths L > T >= 2.
 MIN_LIVE_PREFIX = 8
 LIVE_PROGRAMS = (ProgramSpec("prefill", method="forward_live", key_pos=True),
                  ProgramSpec("decode", method="forward_live", single_token=True, key_pos=True))
 
 
-@dataclass(frozen=True)
-class LlamaArgs:
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    hidden_dim: int  # MLP width
-    vocab_size: int
-    norm_eps: float
-    qkv_bias: bool
-    tie_embeddings: bool
-
-
-def supports(config: Any) -> bool:
-    """True when the HF config is a plain Llama-family decoder this module reproduces exactly."""
-    cfg = hfconfig.text_config(config)
-    if cfg.model_type not in MODEL_TYPES or getattr(cfg, "hidden_act", "silu") != "silu":
-        return False
-    if getattr(cfg, "mlp_bias", False) or (cfg.model_type == "llama" and getattr(cfg, "attention_bias", False)):
-        return False
-    return hfconfig.rope_type(cfg) not in LENGTH_DEPENDENT_ROPE
-
-
 class _Layer(nn.Module):
     def __init__(self, a: LlamaArgs, dtype: torch.dtype):
         super().__init__()
         q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-        self.attn_norm = nn.Parameter(torch.empty(a.dim, dtype=dtype))
+        self.attn_norm = nn.Parameter(torch.empty(a.dim, dtype=dtype))  # on the sublayer's input, or output (post_norms)
         self.wqkv = nn.Linear(a.dim, q + 2 * kv, bias=a.qkv_bias, dtype=dtype)
-        self.wo = nn.Linear(q, a.dim, bias=False, dtype=dtype)
+        if a.qk_norm is not None:  # "head": [D] per head; "proj": [H * D] and [H_kv * D] over the projections
+            self.q_norm = nn.Parameter(torch.empty(a.head_dim if a.qk_norm == "head" else q, dtype=dtype))
+            self.k_norm = nn.Parameter(torch.empty(a.head_dim if a.qk_norm == "head" else kv, dtype=dtype))
+        self.wo = nn.Linear(q, a.dim, bias=a.o_bias, dtype=dtype)
         self.ffn_norm = nn.Parameter(torch.empty(a.dim, dtype=dtype))
         self.w13 = nn.Linear(a.dim, 2 * a.hidden_dim, bias=False, dtype=dtype)  # gate and up, fused
         self.w2 = nn.Linear(a.hidden_dim, a.dim, bias=False, dtype=dtype)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As HF: normalise in fp32, cast back, then scale.
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, upcast: bool = False) -> torch.Tensor:
+    """As HF: normalise in fp32, cast back, then scale; ``upcast`` (OLMo2): scale in fp32, then cast back."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    return (weight * xf).to(x.dtype) if upcast else weight * xf.to(x.dtype)
+
+
+def _norm(a: LlamaArgs, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _rms_norm(x, weight, a.norm_eps, a.norm_upcast)
+
+
+def _qkv(a: LlamaArgs, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         rope: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [B, T, dim] -> q [B, H, T, D], k and v [B, H_kv, T, D]: projected, q/k-normed, rotated (unless not rope)."""
+    b, t, _ = h.shape
+    q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    q, k, v = layer.wqkv(h).split([q_size, kv_size, kv_size], dim=-1)  # [B, T, H * D], [B, T, H_kv * D] x 2
+    if a.qk_norm == "proj":  # OLMo2: over the whole projection, before the split into heads
+        q, k = _norm(a, q, layer.q_norm), _norm(a, k, layer.k_norm)
+    q, k = q.view(b, t, a.n_heads, a.head_dim), k.view(b, t, a.n_kv_heads, a.head_dim)
+    if a.qk_norm == "head":  # Qwen3: per head
+        q, k = _norm(a, q, layer.q_norm), _norm(a, k, layer.k_norm)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    if rope:
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    return q, k, v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
+
+
+def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor,
+                     mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_pos: torch.Tensor | None,
+                     ring: bool) -> torch.Tensor:
+    """The one place a layer touches its cache: write k, v [B, H_kv, T, D] at input_pos and attend -> [B, H, T, D].
+
+    Full layer: written at slots input_pos of k_cache/v_cache [B, H_kv, S, D], then q attends over all S
+    slots with mask [T, S], or (``key_pos [L]``, the live prefix) over those L slots with mask [T, L].
+    ``ring`` (a SLIDING layer, S = window): q attends over the ring plus the new keys with the mask of
+    ``sliding.attention_inputs`` (``mask``/``key_pos`` unused), then the ring is written at input_pos % W.
+    """
+    if ring:
+        keys, values, ring_mask = sliding.attention_inputs(k_cache, v_cache, input_pos, k, v)  # [B, H_kv, W + T, D]
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, scale=a.attention_scale,
+                                           enable_gqa=True)  # [B, H, T, D]
+        sliding.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos % W
+        return o
+    full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
+    if key_pos is None:
+        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=a.attention_scale,
+                                              enable_gqa=True)  # [B, H, T, D]
+    return _live_attention(q, k_cache, v_cache, key_pos, mask, scale=a.attention_scale)
+
+
+def _residual(a: LlamaArgs, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+    """x + a sublayer's output: normed first under post_norms (OLMo2), scaled by residual_multiplier (Granite)."""
+    if a.post_norms:
+        out = _norm(a, out, norm)
+    if a.residual_multiplier != 1.0:
+        out = out * a.residual_multiplier
+    return x + out
 
 
 def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         key_pos: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
-    """One pre-norm decoder layer: attention over the cache (written at input_pos), then the SwiGLU MLP.
+                         key_pos: torch.Tensor | None = None, ring: bool = False, rope: bool = True) -> torch.Tensor:
+    """One decoder layer: attention over the cache (``cached_attention``), then the SwiGLU MLP.
 
-    x [B, T, dim]; cos/sin [T, D]; k_cache/v_cache [B, H_kv, S, D]; mask [T, S] (True = visible), or
-    with ``key_pos [L]`` (the live prefix 0..L-1) mask [T, L] and the attention reads those L slots only.
-    ``ring``: a SLIDING layer (S = window): attention over the ring plus the new keys with the mask of
-    ``sliding.attention_inputs`` (``mask``/``key_pos`` unused), then the ring write.
+    x [B, T, dim]; cos/sin [T, D_rot]; k_cache/v_cache [B, H_kv, S, D]; mask, key_pos, ring: see
+    ``cached_attention``. ``rope`` False: this layer applies no RoPE (SmolLM3). Pre-norm sublayers, or
+    with ``a.post_norms`` the norms on each sublayer's output (``_residual``).
     """
     b, t, _ = x.shape
-    q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    h = _rms_norm(x, layer.attn_norm, a.norm_eps)
-    q, k, v = layer.wqkv(h).split([q_size, kv_size, kv_size], dim=-1)
-    q = _rope(q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H, T, D]
-    k = _rope(k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
-    v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-    if ring:
-        keys, values, ring_mask = sliding.attention_inputs(k_cache, v_cache, input_pos, k, v)  # [B, H_kv, W + T, D]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, enable_gqa=True)  # [B, H, T, D]
-        sliding.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos % W
-        x = x + layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
-        return x + swiglu(layer, _rms_norm(x, layer.ffn_norm, a.norm_eps))
-    full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
-    if key_pos is None:
-        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
-    else:
-        o = _live_attention(q, k_cache, v_cache, key_pos, mask)
-    x = x + layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
-    return x + swiglu(layer, _rms_norm(x, layer.ffn_norm, a.norm_eps))
+    h = x if a.post_norms else _norm(a, x, layer.attn_norm)
+    q, k, v = _qkv(a, layer, h, cos, sin, rope)
+    o = cached_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, key_pos, ring)  # [B, H, T, D]
+    x = _residual(a, x, layer.wo(o.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)), layer.attn_norm)
+    h = x if a.post_norms else _norm(a, x, layer.ffn_norm)
+    return _residual(a, x, swiglu(layer, h), layer.ffn_norm)
 
 
 def _live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_pos: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """Attention of q [B, H, T, D] over the live cache slots 0..L-1 (key_pos [L]; mask [T, L]) -> [B, H, T, D].
 
     The live slots are gathered ([B, H_kv, L, D], a copy of L slots). A slice k_cache[:, :, :L] would make
     torch.export guard L != S (the view's contiguity flips at L == S), so a program could never fill
     its last slot. Measured on SmolLM2 fp32 (decode tokens/s at position 32 / 300 / 900): gather
     47.0 / 42.6 / 35.7; one SDPA per KV head over contiguous per-head slices (no copy) 43.7 / 40.1 /
-    36.6; all max_seq_len slots with a mask 37.0 / - / 37.7.
+    36.6; all max_seq_len slots with a mask 37.0 / - / 37.7. ``scale``: SDPA's (None: 1/sqrt(D)).
     """
     k, v = k_cache.index_select(2, key_pos), v_cache.index_select(2, key_pos)  # [B, H_kv, L, D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [B, H, T, D]
 
 
 def swiglu(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -147,7 +161,11 @@ def swiglu(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [T, D] (HF's rotate-half convention)."""
+    """x [B, H, T, D]; cos/sin [T, D_rot] (HF's rotate-half convention). D_rot < D (a partial rotary table,
+    Phi-3's partial_rotary_factor): the first D_rot features rotate, the rest pass (shapes: a trace-time choice)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -157,7 +175,8 @@ class LlamaDecoder(nn.Module):
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
 
-    def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+    def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
+                 rope_long: tuple[torch.Tensor, torch.Tensor] | None = None):
         super().__init__()
         dtype = spec.torch_dtype
         self.args = a
@@ -170,6 +189,9 @@ class LlamaDecoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope_cos", rope_cos, persistent=True)  # [S_max, D]
         self.register_buffer("rope_sin", rope_sin, persistent=True)
+        if a.rope_switch is not None:  # longrope: the long factors' table, [S_max, D] each
+            self.register_buffer("rope_cos_long", rope_long[0], persistent=True)
+            self.register_buffer("rope_sin_long", rope_long[1], persistent=True)
         self._rings = tuple(kind_of(layer) is sliding.OPS for layer in spec.layers)  # attention over a ring
         live = spec.max_seq_len >= MIN_LIVE_PREFIX and not all(self._rings)  # some layer reads a live prefix
         self.programs = LIVE_PROGRAMS if live else DEFAULT_PROGRAMS
@@ -187,33 +209,42 @@ class LlamaDecoder(nn.Module):
              state: tuple[torch.Tensor, ...]) -> torch.Tensor:
         a = self.args
         x = self.tok_embeddings(tokens)  # [B, T, dim]
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D]
+        if a.embedding_multiplier != 1.0:  # LlamaArgs fields: trace-time constants, never runtime branches
+            x = x * a.embedding_multiplier
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D_rot]
+        if a.rope_switch is not None:  # longrope, as HF: all of a call's positions go long once its last passes
+            long = input_pos.max() + 1 > a.rope_switch  # [] (a tensor: the cache keeps what each call wrote)
+            cos = torch.where(long, self.rope_cos_long[input_pos], cos)
+            sin = torch.where(long, self.rope_sin_long[input_pos], sin)
         keys = key_pos if key_pos is not None else torch.arange(self.cache_spec.max_seq_len, device=tokens.device)
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
         mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
         for i, layer in enumerate(self.layers):
             x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, state[2 * i], state[2 * i + 1], key_pos,
-                                     ring=self._rings[i])
+                                     ring=self._rings[i], rope=i not in a.no_rope)
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
-        return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T or 1, V]
+        logits = self.output(_norm(a, x, self.norm))  # [B, T or 1, V]
+        return logits / a.logits_scaling if a.logits_scaling != 1.0 else logits
 
     @classmethod
     def from_hf(cls, model: nn.Module, spec: CacheSpec) -> LlamaDecoder:
         """Copy (and fuse) the weights of an HF Llama-family causal LM."""
         cfg = hfconfig.text_config(model.config)
         if not supports(cfg):
-            raise UnsupportedError(f"LlamaDecoder does not reproduce {cfg.model_type!r} configs like this one")
+            raise UnsupportedError(f"LlamaDecoder does not reproduce {cfg.model_type!r} configs like this one; "
+                                   f"export it through the general HF decoder")
         hf = model.model
-        a = LlamaArgs(
-            dim=cfg.hidden_size, n_layers=cfg.num_hidden_layers, n_heads=cfg.num_attention_heads,
-            n_kv_heads=hfconfig.kv_heads(cfg), head_dim=hfconfig.head_dim(cfg), hidden_dim=cfg.intermediate_size,
-            vocab_size=cfg.vocab_size, norm_eps=cfg.rms_norm_eps,
-            qkv_bias=hf.layers[0].self_attn.q_proj.bias is not None,
-            tie_embeddings=model.lm_head.weight.data_ptr() == hf.embed_tokens.weight.data_ptr(),
-        )
-        cos, sin = _rope_table(hf.rotary_emb, spec.max_seq_len, spec.torch_dtype)
-        dec = cls(a, spec, cos, sin)
+        att = hf.layers[0].self_attn
+        qkv = att.qkv_proj if hasattr(att, "qkv_proj") else att.q_proj  # Phi-3 fuses q/k/v in HF already
+        a = read_args(cfg, qkv_bias=qkv.bias is not None, o_bias=att.o_proj.bias is not None,
+                      tie_embeddings=model.lm_head.weight.data_ptr() == hf.embed_tokens.weight.data_ptr())
+        n, rotary = spec.max_seq_len, hf.rotary_emb
+        if a.rope_switch is None:
+            dec = cls(a, spec, *_rope_table(rotary, n, spec.torch_dtype))
+        else:  # the short factors' table (HF's original_inv_freq: inv_freq itself may hold the long ones by now)
+            short = _rope_table(rotary, n, spec.torch_dtype, rotary.original_inv_freq)
+            dec = cls(a, spec, *short, _rope_table(rotary, n, spec.torch_dtype, _long_inv_freq(rotary, cfg)))
         dt = spec.torch_dtype
         with torch.no_grad():
             dec.tok_embeddings.weight.copy_(hf.embed_tokens.weight.to(dt))
@@ -225,32 +256,71 @@ class LlamaDecoder(nn.Module):
         return dec.eval().requires_grad_(False)
 
 
+def _put(dst: torch.Tensor | None, src: torch.Tensor | None, dt: torch.dtype, what: str) -> None:
+    if (dst is None) != (src is None):
+        raise UnsupportedError(f"{what}: the HF layer has {'no ' if src is None else ''}bias where LlamaDecoder "
+                               f"expects {'one' if src is None else 'none'}; export it through the general HF decoder")
+    if dst is not None:
+        dst.copy_(src.to(dt))
+
+
 @torch.no_grad()
 def copy_hf_layer(mine: _Layer, theirs: nn.Module, dt: torch.dtype) -> None:
-    """Copy an HF self-attention decoder layer's weights into ``mine``, fusing q/k/v and gate/up."""
-    att, hf_mlp = theirs.self_attn, theirs.mlp
-    mine.attn_norm.copy_(theirs.input_layernorm.weight.to(dt))
-    mine.ffn_norm.copy_(theirs.post_attention_layernorm.weight.to(dt))
-    mine.wqkv.weight.copy_(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).to(dt))
-    if mine.wqkv.bias is not None:
-        mine.wqkv.bias.copy_(torch.cat([att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]).to(dt))
+    """Copy an HF self-attention decoder layer's weights into ``mine``, fusing q/k/v and gate/up.
+
+    Pre-norm layers (input_layernorm, post_attention_layernorm: the attention's and the MLP's input norms)
+    or OLMo2's post-norm layers (post_attention_layernorm, post_feedforward_layernorm: their output norms).
+    """
+    att = theirs.self_attn
+    pre = hasattr(theirs, "input_layernorm")
+    mine.attn_norm.copy_((theirs.input_layernorm if pre else theirs.post_attention_layernorm).weight.to(dt))
+    mine.ffn_norm.copy_((theirs.post_attention_layernorm if pre else theirs.post_feedforward_layernorm).weight.to(dt))
+    if hasattr(att, "qkv_proj"):  # Phi-3: rows q, k, v already fused in this order
+        mine.wqkv.weight.copy_(att.qkv_proj.weight.to(dt))
+        _put(mine.wqkv.bias, att.qkv_proj.bias, dt, "qkv_proj")
+    else:
+        mine.wqkv.weight.copy_(torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).to(dt))
+        biases = [att.q_proj.bias, att.k_proj.bias, att.v_proj.bias]
+        _put(mine.wqkv.bias, None if biases[0] is None else torch.cat(biases), dt, "q/k/v_proj")
+    if hasattr(mine, "q_norm"):
+        mine.q_norm.copy_(att.q_norm.weight.to(dt))
+        mine.k_norm.copy_(att.k_norm.weight.to(dt))
     mine.wo.weight.copy_(att.o_proj.weight.to(dt))
-    copy_hf_mlp(mine, hf_mlp, dt)
+    _put(mine.wo.bias, att.o_proj.bias, dt, "o_proj")
+    copy_hf_mlp(mine, theirs.mlp, dt)
 
 
 @torch.no_grad()
 def copy_hf_mlp(mine: nn.Module, hf_mlp: nn.Module, dt: torch.dtype) -> None:
-    mine.w13.weight.copy_(torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]).to(dt))
+    """gate/up fused into w13 (Phi-3's gate_up_proj: gate rows first, as HF chunks it), down into w2."""
+    fused = getattr(hf_mlp, "gate_up_proj", None)
+    gate_up = fused.weight if fused is not None else torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight])
+    mine.w13.weight.copy_(gate_up.to(dt))
     mine.w2.weight.copy_(hf_mlp.down_proj.weight.to(dt))
 
 
-def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [n, D] exactly as HF's rotary embedding computes them for positions 0..n-1."""
+def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype,
+                inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, D] exactly as HF's rotary embedding computes them for positions 0..n-1 (from
+    ``rotary.inv_freq``, or ``inv_freq [D/2]``)."""
     pos = torch.arange(n, dtype=torch.float32)
-    freqs = pos[:, None] * rotary.inv_freq.float()[None, :]  # [n, D/2]
+    freqs = pos[:, None] * (rotary.inv_freq if inv_freq is None else inv_freq).float()[None, :]  # [n, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
     scale = getattr(rotary, "attention_scaling", 1.0)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def _long_inv_freq(rotary: nn.Module, cfg: Any) -> torch.Tensor:
+    """longrope's long-factor frequencies [D/2], as HF's longrope_frequency_update gets them (its cached
+    ``long_inv_freq``, else the rope init function at original_max_position_embeddings + 1) and then uses
+    them: copied into the ``inv_freq`` buffer, so rounded to that buffer's dtype (bf16 after ``model.to``)."""
+    long = getattr(rotary, "long_inv_freq", None)
+    if long is None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        switch = cfg.rope_parameters["original_max_position_embeddings"]
+        long = ROPE_INIT_FUNCTIONS["longrope"](cfg, None, seq_len=switch + 1)[0]
+    return long.to(rotary.inv_freq.dtype)
 
 
 def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> LlamaDecoder:
@@ -259,5 +329,6 @@ def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens:
                                                      dtype=dtype))
 
 
-# Plain Llama-family configs (Llama, SmolLM2, Qwen2, Mistral; sliding windows as rings): before the general HFDecoder.
+# Llama-family configs (Llama, SmolLM2, Qwen2, Mistral, Qwen3, SmolLM3, Granite, OLMo2, Phi-3; sliding windows as
+# rings) that ``supports`` accepts: before the general HFDecoder.
 FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20)
