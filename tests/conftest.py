@@ -89,7 +89,10 @@ def tiny_phi3_longrope(dtype: torch.dtype = torch.float32, seed: int = 0):
     rope = {"rope_type": "longrope", "rope_theta": 10000.0,
             "short_factor": [1.0 + 0.05 * i for i in range(half)], "long_factor": [1.5 + 0.5 * i for i in range(half)],
             "original_max_position_embeddings": LONGROPE_ORIGINAL}
-    return tiny_model("phi3", dtype, seed, rope_parameters=rope, max_position_embeddings=64)
+    # transformers 5 overwrites rope_parameters' original_max_position_embeddings with the config's own
+    # (default 4096, so the switch would never be reached): set it at the top level too
+    return tiny_model("phi3", dtype, seed, rope_parameters=rope, max_position_embeddings=64,
+                      original_max_position_embeddings=LONGROPE_ORIGINAL)
 
 
 @pytest.fixture

@@ -209,12 +209,13 @@ def test_the_callers_model_is_unchanged_before_during_and_after(arch, tmp_path, 
 
     monkeypatch.setattr(hf_attention, "attention", failing)  # what a new HFDecoder registers ...
     monkeypatch.setitem(AttentionInterface._global_mapping, hf_attention.IMPLEMENTATION, failing)  # ... and is registered
+    # exported as the general decoder (a faster family, e.g. GemmaDecoder, would otherwise take the model)
     with pytest.raises(CaptureError, match="injected failure inside attention"):
-        kvtrace.export(model, tmp_path / "bad.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported")
+        kvtrace.export(HFDecoder(model, max_seq_len=MAX_SEQ_LEN), tmp_path / "bad.kvt", backend="exported")
     assert seen and set(seen) == {attn}
     _assert_same(before, model)
     monkeypatch.undo()
-    kvtrace.export(model, tmp_path / "m.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported")
+    kvtrace.export(HFDecoder(model, max_seq_len=MAX_SEQ_LEN), tmp_path / "m.kvt", backend="exported")
     _assert_same(before, model)
     ids = torch.tensor([PROMPTS[1]])
     with torch.no_grad():  # and it still runs eagerly exactly as an untouched twin
