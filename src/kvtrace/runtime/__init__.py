@@ -3,7 +3,8 @@
 ``session`` (one cache per conversation: prefill, decode, reset, rewind, snapshot), ``generate``
 (sampling, stop ids, streaming, stats), ``jit`` (``kvtrace.jit``: HF-style calls → prologue checks →
 captured program → epilogue write-back into the caller's cache object), with its parts ``jit_call`` (the
-prologue: CallKey, size classes, argument layout), ``jit_examples`` (capture examples), ``jit_cross``
+prologue: CallKey, size classes, sliding-window regimes, argument layout), ``jit_examples`` (capture
+examples, per sliding regime inside it), ``jit_cross``
 (cross-attention input checks) and ``jit_state`` (Python state a forward keeps, weight identity).
 
 May import: ``spec`` … ``backends``.

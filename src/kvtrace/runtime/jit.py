@@ -21,7 +21,11 @@ prepared additive mask over the X image tokens the cross layers attend) and
 layer pattern (see ``kvtrace.cache.hf``), and a program only takes and returns the layers it reads and
 writes. Sliding-window cache layers (HF's ``DynamicSlidingWindowLayer``, as ``DynamicCache(config=...)``
 builds them for Mistral or a hybrid Qwen2) go the same way: a program takes their stored tail and P, and
-returns the new tail (``kvtrace.cache.sliding``).
+returns the new tail (``kvtrace.cache.sliding``). HF's sliding code branches on which side of the window a
+call is (the stored tail shorter than, exactly or past W - 1; P >= W), so the key holds that regime
+(``jit_call.sliding_regime``: filling, reaching, crossing, full) and each program is symbolic in every length
+of its regime: a generation that crosses the window captures one program per (regime x size class) it
+meets, and none after.
 
 This module holds the three stages' driver (``JittedModel``, ``jit``) and the capture; the rest lives in
 ``jit_call`` (the prologue: ``CallKey``, size classes, the program's argument layout), ``jit_examples``
