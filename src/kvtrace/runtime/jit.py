@@ -333,8 +333,8 @@ class JittedModel:
             for a, d in baked:
                 size = int(placeholders[a].meta["val"].shape[d])
                 # size >= 2: not a 0/1 specialisation of an exact capture, the model fixed it. Below a sliding
-                # window HF's code may fix P at the window's edge (the stored tail exactly W - 1 long): at most
-                # W such programs, and past the window P is symbolic again, so that is allowed.
+                # window a regime may hold one P (a decode reaching the window: P = W - 2; crossing it: P = W - 1,
+                # see jit_call.sliding_regime), so that is allowed; past the window (full) P must be symbolic.
                 if a in past and size >= max(2, *call.key.windows, 0):
                     origin = contract.origin(a, d)
                     raise CaptureError(

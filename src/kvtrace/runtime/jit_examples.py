@@ -112,12 +112,16 @@ def sliding_lengths(key: CallKey, target: tuple[int, int] = (_P_EX, _T_EX),
     regime P nearest W + 3 or beyond: inside it, not on its edge P = W).
     """
     wins = sorted({w for w in key.windows if w})
-    hi = 2 * max(wins) + 12
+    # candidates: small sizes, the targets, and sizes around each window's edges (P + T = W - 1, P = W): a
+    # handful per window, so a real window (4096) costs no more than a tiny one
+    near = {v for w in wins for v in (*range(w - 4, w + 5), *(w - 1 - d for d in range(9)), 2 * w, 2 * w + 1)}
+    values = sorted(v for v in {*range(2, 9), 11, *target, *(avoid or ()), *near} if v >= 2)
     t_sym, p_sym = key.sizes[0] >= 2, key.cache.filled and key.sizes[1] >= 2
-    ts = range(2, hi) if t_sym else (key.sizes[0],)
-    ps = (0,) if key.cache.fresh else range(2, hi) if p_sym else (key.sizes[1],)
+    ts = values if t_sym else (key.sizes[0],)
+    ps = (0,) if key.cache.fresh else values if p_sym else (key.sizes[1],)
     full = [w for w, r in zip(wins, key.regime.split(","), strict=False) if r == "full"]
     p_target = max(target[0], *(w + 3 for w in full)) if full else target[0]
+    ps = sorted({*ps, p_target}) if p_sym else ps
 
     def score(p: int, t: int) -> tuple[int, int, int]:
         sym = [v for v, s in ((p, p_sym), (t, t_sym)) if s] + ([p + t] if p_sym or t_sym else [])

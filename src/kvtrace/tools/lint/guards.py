@@ -168,7 +168,9 @@ def _assignments(key: Any, max_len: int | None) -> list[dict[str, int]]:
     stored tail ``S<W>`` = min(P, W - 1)."""
 
     wins = sorted({w for w in key.windows if w})
-    near = tuple(sorted({v for w in wins for v in range(max(w - 3, 0), 2 * w + 3)}))
+    # around each window's edges (P = W, P + T = W - 1) and past it: a handful of values per window
+    near = tuple(sorted({v for w in wins for v in (*range(w - 4, w + 5), *(w - 1 - d for d in range(9)),
+                                                   2 * w - 1, 2 * w, 2 * w + 1) if v >= 0}))
     t_values = tuple(sorted({*_T_VALUES, *near})) if wins else _T_VALUES
     p_values = tuple(sorted({*_P_VALUES, *near})) if wins else _P_VALUES
     ps = (0,) if key.cache.fresh else _in_class(p_values, key.sizes[1])
