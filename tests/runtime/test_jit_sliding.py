@@ -83,20 +83,45 @@ def test_mistral_prompt_past_the_window_then_30_steps_two_programs():
 
 def test_mistral_short_prompt_crosses_the_window_while_decoding():
     """P = 3 .. 33: below the window HF's sliding code branches on P (stored tail shorter than W - 1, exactly
-    W - 1 after this call, exactly W - 1 before it, full), so decode needs its own program on each side; past
-    the window (P >= W) one program serves every step."""
+    W - 1 after this call, exactly W - 1 before it, full), so decode needs its own program on each side (its
+    regime, part of the key: no program pinned to a length); past the window (P >= W) one program serves every
+    step."""
     model = mistral()
     jm = kvtrace.jit(model, backend="eager")
     worst, past = generate(model, jm, 3, mask=True)
     assert past == 3 + STEPS and worst < 1e-5
-    # prefill; decode P = 3..5, P = 6, P = 7, P >= 8
-    assert jm.stats.captures == 5 and len(jm.stats.specializations) == 3
+    # prefill; decode P = 3..5 (filling), P = 6 (reaching), P = 7 (crossing), P >= 8 (full): one key each
+    assert jm.stats.captures == 5 and jm.stats.specializations == []
     calls, captures = jm.stats.calls, jm.stats.captures
     jc = DynamicCache(config=model.config)
     for n in (11, *[1] * 5):  # another prompt past the window: its prefill program, then the saturated decode's
         jm(input_ids=prompt(n), past_key_values=jc, use_cache=True,
            attention_mask=torch.ones(1, jc.get_seq_length() + n, dtype=torch.long))
     assert jm.stats.captures == captures + 1 and jm.stats.calls == calls + 6
+
+
+def programs(jm: Any) -> set[tuple[str, tuple[int, int], str]]:
+    return {(key.cache.value, key.sizes, key.regime) for key in jm._programs}
+
+
+def test_40_token_generation_across_the_window_then_a_longer_prompt_captures_one_program_per_regime():
+    """A prompt shorter than the window, greedy decode across it to 40 positions, then a prompt longer than the
+    window and more decode steps: one program per (regime x size class) reached (kvtrace.runtime.jit_call's
+    table), none pinned to a length, logits and the caller's cache equal to eager's after every step."""
+    model = mistral()
+    jm = kvtrace.jit(model, backend="eager")
+    worst, past = generate(model, jm, 5, mask=True, steps=35)
+    assert past == 40 and worst < 1e-5
+    decode = {("dynamic", (1, 2), regime) for regime in ("filling", "reaching", "crossing", "full")}
+    # prefill 5 < W - 1; decode P = 5 (filling), 6 (reaching: P + 1 = W - 1), 7 (crossing), 8 .. 39 (full)
+    assert programs(jm) == {("dynamic-fresh", (2, 0), "filling"), *decode}
+    assert jm.stats.captures == 5 and jm.stats.specializations == []
+    worst, past = generate(model, jm, 11, mask=True, steps=10)
+    assert past == 21 and worst < 1e-5
+    # the longer prompt is its own prefill program (it overflows the tail); its decode reuses the full one
+    assert programs(jm) == {("dynamic-fresh", (2, 0), "filling"), ("dynamic-fresh", (2, 0), "crossing"), *decode}
+    assert jm.stats.captures == 6 and jm.stats.specializations == [] and jm.stats.calls == 36 + 11
+
 
 def test_hybrid_qwen2_full_and_sliding_layers():
     model = hybrid_qwen2()

@@ -6,9 +6,13 @@ from __future__ import annotations
 import pytest
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+import kvtrace.runtime.jit_call as jit_call
 from conftest import tiny_model
-from kvtrace.tools.lint import KINDS, lint
-from kvtrace.tools.lint.sliding import sliding_steps, windows
+from kvtrace.tools.lint import EXPECTED_PROGRAMS, KINDS, lint
+from kvtrace.tools.lint.sliding import _classes, expected_programs, sliding_steps, windows
+
+SLIDING_MODELS = [("mistral", {"sliding_window": 4}), ("gemma2", {}),
+                  ("qwen2", {"sliding_window": 4, "use_sliding_window": True, "max_window_layers": 1})]
 
 
 def test_the_phase_runs_only_for_declared_sliding_layers_and_crosses_then_wraps_the_window():
@@ -46,3 +50,35 @@ def test_a_sliding_cache_that_grows_unbounded_is_flagged(monkeypatch):
 def test_models_without_windows_run_the_main_scenario_only(arch, overrides):
     report = lint(tiny_model(arch, **overrides))
     assert len(report.calls) == 6 and not report.of_kind("sliding")
+
+
+def test_the_phase_expects_one_program_per_regime_and_size_class_it_reaches():
+    """The module docstring's table: fresh filling prefill, decodes reaching, crossing and past the window,
+    extends past it (windows 4 and 8 alike)."""
+    want = [(True, (2, 0), "filling"), (False, (1, 2), "reaching"), (False, (1, 2), "crossing"),
+            (False, (1, 2), "full"), (False, (2, 2), "full")]
+    for arch, overrides in SLIDING_MODELS:
+        config = tiny_model(arch, **overrides).config
+        assert list(dict.fromkeys(_classes(config))) == want, arch
+        assert expected_programs(config) == len(want)
+    assert expected_programs(tiny_model("llama").config) == 0
+
+
+@pytest.mark.parametrize("arch,overrides", SLIDING_MODELS, ids=[a for a, _ in SLIDING_MODELS])
+def test_crossing_and_wrapping_the_window_is_clean_with_one_program_per_regime(arch, overrides):
+    model = tiny_model(arch, **overrides)
+    report = lint(model)
+    assert report.ok, str(report)
+    assert report.expected == EXPECTED_PROGRAMS + expected_programs(model.config) > EXPECTED_PROGRAMS
+    assert report.captures == report.expected, str(report)
+
+
+def test_a_jit_that_keys_no_regime_is_flagged(monkeypatch):
+    """Planted fault: the regime left out of the key, so one program per size class meets calls on both sides
+    of the window and the jit pins lengths (captures per call near the window)."""
+    monkeypatch.setattr(jit_call, "sliding_regime", lambda t_len, past, windows: "")
+    report = lint(tiny_model("mistral", sliding_window=4))
+    assert report.captures > report.expected
+    counted = [f for f in report.of_kind("sliding") if "programs captured over the sliding-window phase" in f.message]
+    assert len(counted) == 1, str(report)
+    assert any("pinned a length" in f.message for f in report.of_kind("specialization")), str(report)

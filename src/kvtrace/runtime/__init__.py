@@ -4,7 +4,8 @@
 (sampling, stop ids, streaming, stats), ``chat`` (``Conversation``: many turns on one session, each
 prefilling only its new tokens; undo, save/load), ``jit`` (``kvtrace.jit``: HF-style calls → prologue checks →
 captured program → epilogue write-back into the caller's cache object), with its parts ``jit_call`` (the
-prologue: CallKey, size classes, argument layout), ``jit_examples`` (capture examples), ``jit_cross``
+prologue: CallKey, size classes, sliding-window regimes, argument layout), ``jit_examples`` (capture
+examples, per sliding regime inside it), ``jit_cross``
 (cross-attention input checks) and ``jit_state`` (Python state a forward keeps, weight identity).
 
 May import: ``spec`` … ``backends``.

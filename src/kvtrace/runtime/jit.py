@@ -21,7 +21,11 @@ prepared additive mask over the X image tokens the cross layers attend) and
 layer pattern (see ``kvtrace.cache.hf``), and a program only takes and returns the layers it reads and
 writes. Sliding-window cache layers (HF's ``DynamicSlidingWindowLayer``, as ``DynamicCache(config=...)``
 builds them for Mistral or a hybrid Qwen2) go the same way: a program takes their stored tail and P, and
-returns the new tail (``kvtrace.cache.sliding``).
+returns the new tail (``kvtrace.cache.sliding``). HF's sliding code branches on which side of the window a
+call is (the stored tail shorter than, exactly or past W - 1; P >= W), so the key holds that regime
+(``jit_call.sliding_regime``: filling, reaching, crossing, full) and each program is symbolic in every length
+of its regime: a generation that crosses the window captures one program per (regime x size class) it
+meets, and none after.
 
 This module holds the three stages' driver (``JittedModel``, ``jit``) and the capture; the rest lives in
 ``jit_call`` (the prologue: ``CallKey``, size classes, the program's argument layout), ``jit_examples``
@@ -329,8 +333,8 @@ class JittedModel:
             for a, d in baked:
                 size = int(placeholders[a].meta["val"].shape[d])
                 # size >= 2: not a 0/1 specialisation of an exact capture, the model fixed it. Below a sliding
-                # window HF's code may fix P at the window's edge (the stored tail exactly W - 1 long): at most
-                # W such programs, and past the window P is symbolic again, so that is allowed.
+                # window a regime may hold one P (a decode reaching the window: P = W - 2; crossing it: P = W - 1,
+                # see jit_call.sliding_regime), so that is allowed; past the window (full) P must be symbolic.
                 if a in past and size >= max(2, *call.key.windows, 0):
                     origin = contract.origin(a, d)
                     raise CaptureError(

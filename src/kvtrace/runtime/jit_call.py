@@ -1,7 +1,8 @@
 """kvtrace.jit's prologue: one HF-style call read into a frozen ``CallKey`` and a ``_Call``, validated.
 
 What changes a captured graph goes into the key (which kwargs, which cache kind and layer pattern, dtypes,
-batch, size classes of T and P); lengths and positions never do. ``arg_shapes`` / ``program_args`` lay the
+batch, size classes of T and P, and with sliding-window layers the side of the window the call is on:
+``sliding_regime``); lengths and positions never do. ``arg_shapes`` / ``program_args`` lay the
 call out as a program's arguments: the inputs (``_SEQ_DIM`` order, then the cross-attention inputs),
 then the cache state the program takes.
 """
@@ -49,6 +50,39 @@ class CallKey:
     # Per model layer, the window of a sliding-window cache layer (DynamicSlidingWindowLayer), 0 for others;
     # () when the cache has none. The window is graph structure (the mask, the stored tail).
     windows: tuple[int, ...] = ()
+    # Which side of each window the call is on (``sliding_regime``; "" without sliding layers): HF's sliding
+    # code branches on it, so a program holds for one regime, symbolic in every length within it.
+    regime: str = ""
+
+
+# Regimes of a call of T new tokens on a cache with a sliding-window layer of window W that has seen P tokens
+# and stores the tail S = min(P, W - 1) (``DynamicSlidingWindowLayer``). HF's code branches on two things:
+# ``update`` keeps ``cat(tail, new)[-W + 1:]`` (torch.export guards on S + T against W - 1: shorter, exactly
+# W - 1 (the slice is the whole, contiguous tensor) or longer), and ``get_mask_sizes`` on ``P >= W``
+# (``is_full``: the mask offset P - W + 1). Below the window S = P, so S + T = P + T:
+#
+#   filling   P + T <  W - 1       new tail P + T (symbolic), P symbolic
+#   reaching  P + T == W - 1       new tail W - 1; T = W - 1 - P (one symbol for both)
+#   crossing  P < W <= P + T       new tail W - 1 (static), held tail S = P symbolic
+#   full      P >= W               held and new tail W - 1 (static), P symbolic (the carrier [0, P])
+#
+# A fresh cache (P = 0) is filling, reaching or crossing by T. Each (regime x size class) that a call reaches
+# is one program (a key); a decode that crosses the window meets filling (P <= W - 3), reaching (P = W - 2),
+# crossing (P = W - 1) and full (P >= W): four decode programs, then none for the rest of the generation.
+SLIDING_REGIMES = ("filling", "reaching", "crossing", "full")
+
+
+def _regime_of(t_len: int, past: int, window: int) -> str:
+    if past >= window:
+        return "full"
+    n = past + t_len  # S + T, as S = P below the window
+    return "filling" if n < window - 1 else "reaching" if n == window - 1 else "crossing"
+
+
+def sliding_regime(t_len: int, past: int, windows: tuple[int, ...]) -> str:
+    """``CallKey.regime``: the regime (``SLIDING_REGIMES``) of each distinct window, in increasing window
+    order, comma-separated; "" when no layer slides."""
+    return ",".join(_regime_of(t_len, past, w) for w in sorted({w for w in windows if w}))
 
 
 def size_classes(t_len: int, past: int, kind: CacheKind) -> tuple[int, int]:
@@ -191,6 +225,7 @@ def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
         unmasked_cross=_unmasked_cross(given, image, t_len),
         sizes=size_classes(t_len, past, kind),
         windows=windows,
+        regime=sliding_regime(t_len, past, windows),
     )
     return _Call(key=key, tensors=tensors, cache=cache, return_dict=bool(return_dict), past_len=past,
                  weights=weights, cross_len=cross_len)

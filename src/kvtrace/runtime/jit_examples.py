@@ -2,9 +2,10 @@
 
 Example sizes are >= 2 and pairwise distinct (also the sums P + T and N_c + N), so no length is
 specialised or unified; an exact capture (a call no earlier program admits) uses the call's own sizes.
-A cache with sliding-window layers is always captured with the call's own sizes: HF's sliding code branches
-on P and T against the window (stored tail full or not, mask offset), so a program holds for one side of the
-window, and the call's own sizes put the capture on the call's side.
+A cache with sliding-window layers: HF's sliding code branches on P and T against the window (stored tail
+shorter than, exactly or over W - 1; mask offset once P >= W), so a key holds one regime
+(``jit_call.sliding_regime``) and its examples (``sliding_lengths``) lie inside it, away from its edges where
+it has room, pairwise distinct where the regime allows; the stored tail is a static W - 1 once P >= W.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from typing import Any
 import torch
 
 from kvtrace.cache import hf as hfc
-from kvtrace.runtime.jit_call import _SEQ_DIM, _Call, _carries_past, _held, cache_dtype, past_carrier
+from kvtrace.runtime.jit_call import (
+    _SEQ_DIM,
+    CallKey,
+    _Call,
+    _carries_past,
+    _held,
+    cache_dtype,
+    past_carrier,
+    sliding_regime,
+)
 from kvtrace.runtime.jit_cross import _CROSS
 
 # Example sizes used for capture: >= 2 and pairwise distinct (also the sums P + T and N_c + N), so no
@@ -32,7 +42,6 @@ def examples(call: _Call, exact: bool, n_layers: int, n_kv: int,
     from torch.export import Dim
 
     key = call.key
-    exact = exact or bool(key.windows)  # see the module docstring
     t_ex = call.tensors[0].shape[1] if exact else _T_EX
     if key.sizes[0] < 2:  # T = 1 is this program's graph, not a length: keep it static (see CallKey.sizes)
         t_ex = key.sizes[0]
@@ -44,6 +53,8 @@ def examples(call: _Call, exact: bool, n_layers: int, n_kv: int,
     nc_ex = call.cross_len if exact else (_NC_EX if any(hfc.length_of(s) == hfc.IMAGE for s in key.layers) else 0)
     if key.static_len is not None:
         p_ex = min(p_ex, max(key.static_len - t_ex, 0))
+    if key.regime and not exact:  # inside the key's sliding regime (the call itself is one such pair)
+        p_ex, t_ex = sliding_lengths(key) or (call.past_len, call.tensors[0].shape[1])
     n_ex, x_ex = _image_examples(call, exact, nc_ex)
     examples: list[torch.Tensor] = []
     shapes: list[Any] = []
@@ -89,6 +100,37 @@ def examples(call: _Call, exact: bool, n_layers: int, n_kv: int,
                          torch.tensor(p_ex, dtype=torch.int64, device=key.device)]
             shapes += [None, None, None]
     return examples, shapes
+
+
+def sliding_lengths(key: CallKey, target: tuple[int, int] = (_P_EX, _T_EX),
+                    avoid: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """Example (P, T) of a key with sliding layers: in its size classes and ``key.regime``; None if none is.
+
+    Preferred, in order: the symbolic sizes (T, P, P + T; those of size class >= 2) pairwise distinct and
+    distinct from the static tails W - 1 (so none is unified with another by its value); other than
+    ``avoid`` in each symbolic size (a second capture for comparison); nearest ``target`` (for a full
+    regime P nearest W + 3 or beyond: inside it, not on its edge P = W).
+    """
+    wins = sorted({w for w in key.windows if w})
+    # candidates: small sizes, the targets, and sizes around each window's edges (P + T = W - 1, P = W): a
+    # handful per window, so a real window (4096) costs no more than a tiny one
+    near = {v for w in wins for v in (*range(w - 4, w + 5), *(w - 1 - d for d in range(9)), 2 * w, 2 * w + 1)}
+    values = sorted(v for v in {*range(2, 9), 11, *target, *(avoid or ()), *near} if v >= 2)
+    t_sym, p_sym = key.sizes[0] >= 2, key.cache.filled and key.sizes[1] >= 2
+    ts = values if t_sym else (key.sizes[0],)
+    ps = (0,) if key.cache.fresh else values if p_sym else (key.sizes[1],)
+    full = [w for w, r in zip(wins, key.regime.split(","), strict=False) if r == "full"]
+    p_target = max(target[0], *(w + 3 for w in full)) if full else target[0]
+    ps = sorted({*ps, p_target}) if p_sym else ps
+
+    def score(p: int, t: int) -> tuple[int, int, int]:
+        sym = [v for v, s in ((p, p_sym), (t, t_sym)) if s] + ([p + t] if p_sym or t_sym else [])
+        clash = len(sym) - len(set(sym)) + sum(v in {w - 1 for w in wins} for v in sym)
+        same = 0 if avoid is None else (p_sym and p == avoid[0]) + (t_sym and t == avoid[1])
+        return clash, same, abs(p - p_target) + abs(t - target[1])
+
+    found = [(p, t) for p in ps for t in ts if (p, t) != avoid and sliding_regime(t, p, key.windows) == key.regime]
+    return min(found, key=lambda pt: score(*pt)) if found else None
 
 
 def _image_examples(call: _Call, exact: bool, nc_ex: int) -> tuple[int, int]:

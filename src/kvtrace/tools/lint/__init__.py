@@ -16,7 +16,7 @@ and reports, as ``Finding(kind, message, where)``:
 
 * ``recapture``      a call captured a program beyond those (EXPECTED_PROGRAMS), or jit had to pin a length;
 * ``specialization`` a guard or a constant shape in a captured program refuses a sequence length or
-                     position it must accept (any T and P of its size class; checked against
+                     position it must accept (any T and P of its size class and sliding regime; checked against
                      the program's placeholders, range constraints and runtime asserts, and the guards
                      torch.export logged, with the source line that added them), or the graph's
                      structure changes with the length;
@@ -24,7 +24,8 @@ and reports, as ``Finding(kind, message, where)``:
                      program is captured with other example lengths: a length or position baked in;
 * ``sliding``        (models with sliding-window layers, after the scenario: a phase on
                      ``DynamicCache(config=model.config)`` that crosses and then wraps the window) crossing
-                     the window captured another program (the window or the past length relative to it got
+                     the window captured another program than one per sliding regime and size class
+                     (``sliding.expected_programs``; the window or the past length relative to it got
                      baked), or a sliding layer of eager's or the caller's cache holds more (or other) than
                      the last ``min(P, W - 1)`` tokens: it grows unbounded;
 * ``mutation``       the call left the caller's cache, inputs or model different from what eager leaves

@@ -3,7 +3,7 @@
 ``recording_jit`` wraps ``kvtrace.jit(model, backend="eager")`` so every capture is kept with the
 symbols and guards torch's symbolic-shapes logger reported (``_Capture``); ``_check_guards`` checks a
 capture's guards, constant shapes, range constraints and runtime asserts against every (T, P) of its
-size class.
+size class (and, with sliding-window layers, of its regime: ``CallKey.regime``).
 """
 
 from __future__ import annotations
@@ -131,19 +131,30 @@ class _shape_log:
 
 # --- symbols -> roles (T, P, P+T) and the lengths a program must accept --------------------------------
 def _seq_dims(call: Any, n_layers: int) -> list[tuple[str, int, str]]:
-    """(arg description, sequence dim, role) for every program argument, in program order."""
+    """(arg description, sequence dim, role) for every program argument, in program order.
+
+    Roles: ``T``, ``P``, ``P+T``, and for a sliding layer of window W its stored tail ``S<W>`` = min(P, W - 1).
+    """
 
     out = []
     for name, t in zip(call.key.inputs, call.tensors, strict=True):
         role = "P+T" if name == "attention_mask" else "T"
         out.append((f"{name}", jit_view.seq_dim(name) % t.dim(), role))
     if call.key.cache.filled:
-        for i in range(2 * n_layers):
-            out.append((f"cache layer {i // 2} {'keys' if i % 2 == 0 else 'values'}", 2, "P"))
+        windows = call.key.windows or (0,) * n_layers
+        for i in jit_view.held_layers(call.key):
+            role = f"S{windows[i]}" if windows[i] else "P"
+            out += [(f"cache layer {i} {kv}", 2, role) for kv in ("keys", "values")]
+        if jit_view.carries_past(call.key):
+            out.append(("past length (cumulative_length of the sliding-window layers)", 1, "P"))
     return out
 
 
 _ROLE_TEXT = {"T": "new-token count T", "P": "past length P", "P+T": "total length P+T"}
+
+
+def _role_text(role: str) -> str:
+    return _ROLE_TEXT.get(role) or f"stored tail min(P, {int(role[1:]) - 1}) of a window of {role[1:]}"
 
 
 def _in_class(values: tuple[int, ...], size_class: int) -> tuple[int, ...]:
@@ -152,13 +163,24 @@ def _in_class(values: tuple[int, ...], size_class: int) -> tuple[int, ...]:
 
 
 def _assignments(key: Any, max_len: int | None) -> list[dict[str, int]]:
-    """Every (T, P) a program of ``key`` must accept: the lengths of its size classes."""
+    """Every (T, P) a program of ``key`` must accept: the lengths of its size classes, and with sliding
+    layers of its regime (``CallKey.regime``; the lengths around each window added), with each window's
+    stored tail ``S<W>`` = min(P, W - 1)."""
 
-    ps = (0,) if key.cache.fresh else _in_class(_P_VALUES, key.sizes[1])
+    wins = sorted({w for w in key.windows if w})
+    # around each window's edges (P = W, P + T = W - 1) and past it: a handful of values per window
+    near = tuple(sorted({v for w in wins for v in (*range(w - 4, w + 5), *(w - 1 - d for d in range(9)),
+                                                   2 * w - 1, 2 * w, 2 * w + 1) if v >= 0}))
+    t_values = tuple(sorted({*_T_VALUES, *near})) if wins else _T_VALUES
+    p_values = tuple(sorted({*_P_VALUES, *near})) if wins else _P_VALUES
+    ps = (0,) if key.cache.fresh else _in_class(p_values, key.sizes[1])
     out = []
-    for t, p in itertools.product(_in_class(_T_VALUES, key.sizes[0]), ps):
-        if max_len is None or t + p <= max_len:
-            out.append({"T": t, "P": p, "P+T": p + t})
+    for t, p in itertools.product(_in_class(t_values, key.sizes[0]), ps):
+        if max_len is not None and t + p > max_len:
+            continue
+        if wins and jit_view.regime(t, p, key.windows) != key.regime:
+            continue
+        out.append({"T": t, "P": p, "P+T": p + t, **{f"S{w}": min(p, w - 1) for w in wins}})
     return out
 
 
@@ -225,7 +247,8 @@ def _program_name(call: Any) -> str:
     t_class, p_class = call.key.sizes
     fresh = call.key.cache.value == "dynamic-fresh"
     classes = ("T=1" if t_class == 1 else "T>=2") + ("" if fresh or p_class == 2 else f", P={p_class}")
-    return f"{call.key.cache.value} program ({classes})"
+    regime = f", {call.key.regime} the window" if call.key.regime else ""
+    return f"{call.key.cache.value} program ({classes}{regime})"
 
 
 # --- checks on one captured program --------------------------------------------------------------------
@@ -240,10 +263,12 @@ def _check_guards(cap: _Capture, n_layers: int, max_len: int | None) -> Iterator
     dims = _seq_dims(cap.call, n_layers)
     fresh = cap.call.key.cache.fresh
     assignments = _assignments(cap.call.key, max_len)
-    # roles a size class holds at one value (T = 1, P = 1): static on purpose, not a specialization
+    # roles a size class holds at one value (T = 1, P = 1), or a sliding regime does (the tail W - 1 once
+    # P >= W; P = W - 2 for a decode reaching the window): static on purpose, not a specialization
     fixed = {r for r, c in (("T", cap.call.key.sizes[0]), ("P", cap.call.key.sizes[1])) if c < 2}
     if {"T", "P"} <= fixed or (fresh and "T" in fixed):
         fixed.add("P+T")
+    fixed |= {r for r in (assignments[0] if assignments else {}) if len({a[r] for a in assignments}) == 1}
     placeholders = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
 
     # symbol -> role: from the symbols export created for each argument, then from the placeholders.
@@ -279,7 +304,7 @@ def _check_guards(cap: _Capture, n_layers: int, max_len: int | None) -> Iterator
             "specialization",
             f"{prog}: guard `{_readable(expr, names)}` ({g.expr}) does not hold for "
             + ", ".join(f"{r}={bad[r]}" for r in which)
-            + f" ({', '.join(_ROLE_TEXT[r] for r in which)}): the program depends on a length",
+            + f" ({', '.join(_role_text(r) for r in which)}): the program depends on a length",
             g.where,
         )
 
@@ -293,7 +318,7 @@ def _check_guards(cap: _Capture, n_layers: int, max_len: int | None) -> Iterator
             continue
         yield Finding(
             "specialization",
-            f"{prog}: {desc} dim {d} (the {_ROLE_TEXT[role]}) was captured as the constant {int(expr)}; "
+            f"{prog}: {desc} dim {d} (the {_role_text(role)}) was captured as the constant {int(expr)}; "
             "the program only runs for that length",
             f"placeholder {node.name}",
         )
@@ -311,7 +336,7 @@ def _check_guards(cap: _Capture, n_layers: int, max_len: int | None) -> Iterator
                                          if re.search(rf"\b{s.name}\b", g.expr)))
             yield Finding(
                 "specialization",
-                f"{prog}: {names.get(s, s.name)} is constrained to [{vr.lower}, {vr.upper}]; a {_ROLE_TEXT[roles[s]]} "
+                f"{prog}: {names.get(s, s.name)} is constrained to [{vr.lower}, {vr.upper}]; a {_role_text(roles[s])} "
                 f"of {bad[roles[s]]} (T={bad['T']}, P={bad['P']}) would be refused",
                 f"range constraint of {s.name}" + (f", derived from guard {related[0]}" if related else ""),
             )

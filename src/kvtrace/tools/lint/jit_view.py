@@ -10,7 +10,10 @@ which needs a few of jit's internals. Nothing else in ``kvtrace.tools.lint`` imp
 * ``_Call``, jit's reading of one call: its fields ``key`` (a ``CallKey``: ``cache``, ``inputs``, ``sizes``),
   ``tensors`` (the input tensors, in ``key.inputs`` order) and ``past_len`` (``with_lengths``);
 * ``_SEQ_DIM``: the sequence dim of each named input (``seq_dim``);
-* ``_T_EX``, ``_P_EX``: the example lengths jit captures a T >= 2 / P >= 2 program with (``example_lengths``).
+* ``_T_EX``, ``_P_EX``: the example lengths jit captures a T >= 2 / P >= 2 program with (``example_lengths``);
+  for a key with sliding layers ``jit_examples.sliding_lengths`` (``sliding_example_lengths``);
+* ``jit_call``: ``sliding_regime`` (``regime``: which regime a (T, P) is in), ``_held`` and ``_carries_past``
+  (``held_layers``, ``carries_past``: the program's cache arguments).
 
 Public and read directly elsewhere: ``JittedModel.stats`` (``captures``, ``specializations``) and the
 ``CallKey`` fields.
@@ -69,3 +72,35 @@ def example_lengths() -> tuple[int, int]:
     from kvtrace.runtime.jit import _P_EX, _T_EX
 
     return _T_EX, _P_EX
+
+
+def sliding_example_lengths(key: Any, target: tuple[int, int] | None = None,
+                            avoid: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """(T, P) jit captures a program of ``key`` (a key with sliding layers) with, or with ``target`` /
+    ``avoid`` another pair of its regime and size classes (None: there is no other)."""
+    from kvtrace.runtime.jit_examples import sliding_lengths
+
+    kw = {} if target is None else {"target": (target[1], target[0])}
+    found = sliding_lengths(key, **kw, avoid=None if avoid is None else (avoid[1], avoid[0]))
+    return None if found is None else (found[1], found[0])
+
+
+def regime(t_len: int, past: int, windows: tuple[int, ...]) -> str:
+    """The sliding regime a call of ``t_len`` tokens at past length ``past`` is in (``CallKey.regime``)."""
+    from kvtrace.runtime.jit_call import sliding_regime
+
+    return sliding_regime(t_len, past, windows)
+
+
+def held_layers(key: Any) -> tuple[int, ...]:
+    """The cache layers whose keys and values a program of ``key`` takes, in argument order."""
+    from kvtrace.runtime.jit_call import _held
+
+    return _held(key)
+
+
+def carries_past(key: Any) -> bool:
+    """The program of ``key`` takes P as the size of a ``[0, P]`` tensor after the held layers."""
+    from kvtrace.runtime.jit_call import _carries_past
+
+    return _carries_past(key)

@@ -35,6 +35,8 @@ class LintReport:
     calls: tuple[str, ...]  # the scenario, one description per call
     captures: int  # programs kvtrace.jit captured over the scenario
     findings: tuple[Finding, ...] = field(default_factory=tuple)
+    # programs the scenario must capture: EXPECTED_PROGRAMS, plus the sliding phase's (sliding.expected_programs)
+    expected: int = EXPECTED_PROGRAMS
 
     @property
     def ok(self) -> bool:
@@ -47,7 +49,7 @@ class LintReport:
 
     def lines(self) -> list[str]:
         head = (f"kvtrace lint {self.model}: {len(self.calls)} calls, {self.captures} program(s) captured "
-                f"(expected {EXPECTED_PROGRAMS}): ")
+                f"(expected {self.expected}): ")
         if self.ok:
             return [head + "no findings"]
         return [head + f"{len(self.findings)} finding(s)", *(str(f) for f in self.findings)]
@@ -57,5 +59,5 @@ class LintReport:
 
     def to_json(self) -> str:
         return json.dumps({"model": self.model, "ok": self.ok, "calls": list(self.calls), "captures": self.captures,
-                           "findings": [dataclasses.asdict(f) for f in self.findings]}, indent=2)
+                           "expected": self.expected, "findings": [dataclasses.asdict(f) for f in self.findings]}, indent=2)
 

@@ -22,7 +22,7 @@ from kvtrace.tools.lint.graph_diff import _diff_programs, _recapture_with
 from kvtrace.tools.lint.guards import _Capture, _check_guards, _program_name, recording_jit
 from kvtrace.tools.lint.mutation import _differences, _model_state, _out_cache, _same_model, _state
 from kvtrace.tools.lint.report import EXPECTED_PROGRAMS, SCENARIO, Finding, LintReport
-from kvtrace.tools.lint.sliding import sliding_phase
+from kvtrace.tools.lint.sliding import expected_programs, sliding_phase, sliding_recapture_lengths
 
 __all__ = ["lint", "run_cli_lint"]
 
@@ -111,6 +111,11 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
             continue  # every length of this program is fixed by its size class: nothing to vary
         t_a, t_b = (t_ex, _T_B) if t_class == 2 else (t_class, t_class)
         p_a, p_b = (0, 0) if fresh else (p_ex, _P_B) if p_class == 2 else (p_class, p_class)
+        if cap.call.key.regime:  # sliding layers: both captures' lengths inside the key's regime
+            lengths = sliding_recapture_lengths(cap.call.key, (_T_B, _P_B))
+            if lengths is None:
+                continue  # the regime holds one (T, P) of these size classes: nothing to vary
+            (t_a, p_a), (t_b, p_b) = lengths
         sizes_a = f"T={t_a}" + ("" if fresh else f", P={p_a}")
         sizes_b = f"T={t_b}" + ("" if fresh else f", P={p_b}")
         try:
@@ -121,7 +126,7 @@ def lint(model: torch.nn.Module, *, make_inputs: Callable[[int], Any] | None = N
             continue
         findings.extend(_diff_programs(prog, cap, other, sizes_a, sizes_b))
     return LintReport(model=type(model).__name__, calls=tuple(calls), captures=jm.stats.captures,
-                      findings=tuple(_dedupe(findings)))
+                      findings=tuple(_dedupe(findings)), expected=EXPECTED_PROGRAMS + expected_programs(model.config))
 
 
 class _Runner:

@@ -9,9 +9,19 @@ phase crosses the window token by token and then wraps it with an extend longer 
 
 every call checked against eager like the main scenario (``_Runner``), and reports, as kind ``sliding``:
 
-* a program captured again for a size class of (T, P) the phase already has one for: something in the
-  capture (the model's code or the jit) treated the window, or the past length relative to it, as a
-  constant, so crossing it needed another program (zero recompiles across the window is the rule);
+* a program captured again for a size class of (T, P) and sliding regime the phase already has one for, or
+  more programs than ``expected_programs``: something in the capture (the model's code or the jit) treated
+  the window, or the past length relative to it, as a constant, so crossing it needed another program
+  (zero recompiles across the window is the rule). The phase's calls reach, for a window W >= 4 (the
+  regimes of ``kvtrace.runtime.jit_call.sliding_regime``; S = min(P, W - 1) the stored tail)::
+
+      fresh T >= 2, filling (P + T < W - 1)   the prefill of max(2, W - 2) tokens (W = 4: T = 2 < 3)
+      T = 1, reaching (P + T = W - 1)          the decode at P = W - 2
+      T = 1, crossing (P < W <= P + T)         the decode at P = W - 1
+      T = 1, full (P >= W)                     the decodes at P = W and later
+      T >= 2, full                             the two extends
+
+  five programs, one per (regime x size class), symbolic in every length within it (``expected_programs``);
 * a sliding layer of eager's cache or of the caller's cache after the jitted call holding anything but
   the last ``min(P, W - 1)`` tokens: the cache grows unbounded (logits can still match eager's; only the
   cache contents show it: the transformers bug this check exists for).
@@ -22,9 +32,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvtrace.spec import config as hfconfig
+from kvtrace.tools.lint import jit_view
 from kvtrace.tools.lint.report import Finding
 
-__all__ = ["sliding_phase", "sliding_steps", "windows"]
+__all__ = ["expected_programs", "sliding_phase", "sliding_recapture_lengths", "sliding_steps", "windows"]
 
 
 def windows(config: Any) -> dict[int, int]:
@@ -47,6 +58,34 @@ def sliding_steps(window: int) -> list[tuple[int, str]]:
         steps.append((n, f"{what} at position {past}{note}"))
         past += n
     return steps
+
+
+def _classes(config: Any) -> list[tuple[bool, tuple[int, int], str]]:
+    """Per call of the phase: (fresh cache, size classes of (T, P), sliding regime): what keys its program."""
+    wins = windows(config)
+    if not wins:
+        return []
+    per_layer = tuple(wins.get(i, 0) for i in range(max(wins) + 1))
+    out, past = [], 0
+    for n, _ in sliding_steps(min(wins.values())):
+        out.append((past == 0, (min(n, 2), min(past, 2)), jit_view.regime(n, past, per_layer)))
+        past += n
+    return out
+
+
+def expected_programs(config: Any) -> int:
+    """Programs the phase must capture: one per (fresh or filled cache, size classes, regime) its calls reach
+    (5 for one window W >= 4, see the module docstring); 0 without sliding layers."""
+    return len(set(_classes(config)))
+
+
+def sliding_recapture_lengths(key: Any, target: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """For the graph comparison of a program of ``key`` (a key with sliding layers): the (T, P) jit captured it
+    with, and another pair of its regime and size classes nearest ``target`` (T, P), differing in every
+    length that has room to; None when the regime holds no other pair."""
+    first = jit_view.sliding_example_lengths(key)
+    other = None if first is None else jit_view.sliding_example_lengths(key, target, avoid=first)
+    return None if first is None or other is None else (first, other)
 
 
 def _held(layer: Any) -> int | None:
@@ -81,7 +120,8 @@ def sliding_phase(run: Any, config: Any, first_call: int) -> list[Finding]:
         return []
     window = min(wins.values())
     findings: list[Finding] = []
-    seen: dict[Any, Any] = {}  # size classes -> the first program key the phase captured for them
+    seen: dict[Any, Any] = {}  # (cache kind, size classes, regime) -> the first program key captured for them
+    captures = run.jm.stats.captures
     flagged: set[str] = set()  # whose cache was already reported
     cache: Any = DynamicCache(config=config)
     past = 0
@@ -90,16 +130,21 @@ def sliding_phase(run: Any, config: Any, first_call: int) -> list[Finding]:
         cache, keys = run.call(n, past, desc, cache, where)
         past += n
         for key in keys:
-            first = seen.setdefault(key.sizes, key)
+            first = seen.setdefault((key.cache, key.sizes, key.regime), key)
             if first is not key:
                 findings.append(Finding(
                     "sliding",
-                    f"another {key.cache.value} program was captured for T/P size class {key.sizes} at position "
-                    f"{past - n}: the sliding window ({window}) or the past length relative to it got baked into the "
-                    f"first one", where))
+                    f"another {key.cache.value} program was captured for T/P size class {key.sizes} in the "
+                    f"{key.regime or 'same'} regime at position {past - n}: the sliding window ({window}) or the past "
+                    f"length relative to it got baked into the first one", where))
         for who, c in (("eager's", run.eager_cache), ("the caller's", cache)):
             found = _unbounded(who, c, wins, past, where) if who not in flagged else None
             if found is not None:  # the first call it shows in; later ones only repeat it
                 flagged.add(who)
                 findings.append(found)
+    captured, expected = run.jm.stats.captures - captures, expected_programs(config)
+    if captured > expected:
+        findings.append(Finding(
+            "sliding", f"{captured} programs captured over the sliding-window phase; expected {expected} (one per "
+            "regime of the window and size class of T and P, whatever the lengths within it)", "kvtrace.jit stats"))
     return findings
