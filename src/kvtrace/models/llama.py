@@ -10,6 +10,8 @@ Decoder contract (see spec/decoder.py)::
     forward(tokens [B, T], input_pos [T], k0, v0, k1, v1, ...) -> logits [B, T, V]
     k_i, v_i: [B, H_kv, S, D], written in place at input_pos
     (a SLIDING layer: S = window, a ring written at input_pos % window, see cache/sliding.py)
+    (an int8 cache, ``kv_dtype="int8"``: k_i, v_i int8 then k_scale_i, v_scale_i [B, H_kv, S, 1], see cache/int8.py;
+    state is split per layer by ``CacheSpec.layer_state``)
 
 The exported programs use ``forward_live(tokens, input_pos, key_pos [L], *state)``: the same, but
 attention reads only the live prefix ``[0, L)`` of each cache (L symbolic), so a short conversation
@@ -21,6 +23,7 @@ masked by each slot's position (``sliding.attention_inputs``); a cache of slidin
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import full, sliding
+from kvtrace.cache import full, int8, sliding
 from kvtrace.cache.kinds import kind_of
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.registry import Family
@@ -96,13 +99,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         key_pos: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
+                         key_pos: torch.Tensor | None = None, ring: bool = False,
+                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One pre-norm decoder layer: attention over the cache (written at input_pos), then the SwiGLU MLP.
 
     x [B, T, dim]; cos/sin [T, D]; k_cache/v_cache [B, H_kv, S, D]; mask [T, S] (True = visible), or
     with ``key_pos [L]`` (the live prefix 0..L-1) mask [T, L] and the attention reads those L slots only.
     ``ring``: a SLIDING layer (S = window): attention over the ring plus the new keys with the mask of
     ``sliding.attention_inputs`` (``mask``/``key_pos`` unused), then the ring write.
+    ``scales``: an int8 cache's (k_scale, v_scale) [B, H_kv, S, 1] (``int8_attention``).
     """
     b, t, _ = x.shape
     q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -111,19 +116,37 @@ def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos
     q = _rope(q.view(b, t, a.n_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H, T, D]
     k = _rope(k.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2), cos, sin)  # [B, H_kv, T, D]
     v = v.view(b, t, a.n_kv_heads, a.head_dim).transpose(1, 2)
-    if ring:
+    if scales is not None:
+        o = int8_attention(q, k, v, input_pos, mask, k_cache, v_cache, scales, key_pos, ring)  # [B, H, T, D]
+    elif ring:
         keys, values, ring_mask = sliding.attention_inputs(k_cache, v_cache, input_pos, k, v)  # [B, H_kv, W + T, D]
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, enable_gqa=True)  # [B, H, T, D]
         sliding.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos % W
-        x = x + layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
-        return x + swiglu(layer, _rms_norm(x, layer.ffn_norm, a.norm_eps))
-    full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
-    if key_pos is None:
-        o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
     else:
-        o = _live_attention(q, k_cache, v_cache, key_pos, mask)
+        full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
+        if key_pos is None:
+            o = F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, enable_gqa=True)  # [B, H, T, D]
+        else:
+            o = _live_attention(q, k_cache, v_cache, key_pos, mask)
     x = x + layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
     return x + swiglu(layer, _rms_norm(x, layer.ffn_norm, a.norm_eps))
+
+
+def int8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor, mask: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
+                   key_pos: torch.Tensor | None = None, ring: bool = False) -> torch.Tensor:
+    """The attention of ``self_attention_block`` over an int8 cache (cache/int8.py): k_cache/v_cache
+    [B, H_kv, S, D] int8 with ``scales`` [B, H_kv, S, 1]; every key and value the queries see is read as the
+    cache stores it (quantized, then dequantized), this call's own included. -> [B, H, T, D]."""
+    if ring:  # the ring as it was, plus this call's keys as the ring will hold them; written after
+        ring_k, ring_v = int8.read(k_cache, v_cache, scales, q.dtype)  # [B, H_kv, W, D]
+        keys, values, ring_mask = sliding.attention_inputs(ring_k, ring_v, input_pos, int8.stored(k), int8.stored(v))
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, enable_gqa=True)
+        int8.write(sliding.OPS, k_cache, v_cache, scales, input_pos, k, v)  # slots input_pos % W
+        return o
+    int8.write(full.OPS, k_cache, v_cache, scales, input_pos, k, v)  # slots input_pos
+    keys, values = int8.read(k_cache, v_cache, scales, q.dtype, key_pos)  # [B, H_kv, L or S, D]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
 
 
 def _live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_pos: torch.Tensor,
@@ -192,8 +215,9 @@ class LlamaDecoder(nn.Module):
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
         mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
         for i, layer in enumerate(self.layers):
-            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, state[2 * i], state[2 * i + 1], key_pos,
-                                     ring=self._rings[i])
+            kv = self.cache_spec.layer_state(state, i)  # k, v (+ an int8 cache's scales)
+            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, kv.k, kv.v, key_pos, ring=self._rings[i],
+                                     scales=kv.scales)
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
         return self.output(_rms_norm(x, self.norm, a.norm_eps))  # [B, T or 1, V]
@@ -253,11 +277,12 @@ def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype) -> tuple[torch.Te
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
-def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> LlamaDecoder:
+def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None,
+           kv_dtype: str | None = None) -> LlamaDecoder:
     dtype = next(model.parameters()).dtype
-    return LlamaDecoder.from_hf(model, hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size,
-                                                     dtype=dtype))
+    spec = hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
+    return LlamaDecoder.from_hf(model, dataclasses.replace(spec, kv_dtype=kv_dtype))
 
 
 # Plain Llama-family configs (Llama, SmolLM2, Qwen2, Mistral; sliding windows as rings): before the general HFDecoder.
-FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20)
+FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20, kv_dtypes=("int8",))
