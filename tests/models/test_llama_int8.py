@@ -173,7 +173,7 @@ def test_families_without_int8_refuse_it_clearly():
                             priority=0)
     registry.register(plain)
     try:
-        with pytest.raises(UnsupportedError, match="plain-test decoder .* does not run a int8 KV cache.*llama"):
+        with pytest.raises(UnsupportedError, match=r"plain-test decoder .* does not run kv_dtype='int8' caches.*llama"):
             make_decoder(model, max_seq_len=16, kv_dtype="int8")
         assert make_decoder(model, max_seq_len=16).cache_spec.kv_dtype is None  # the family still builds plain caches
     finally:

@@ -98,7 +98,7 @@ def make_decoder(model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 
     if kv_dtype not in family.kv_dtypes:
         takes = sorted({f.name for f in families() if kv_dtype in f.kv_dtypes})
         raise UnsupportedError(
-            f"the {family.name} decoder ({model.config.model_type!r}) does not run a {kv_dtype} KV cache; "
+            f"the {family.name} decoder ({model.config.model_type!r}) does not run kv_dtype={kv_dtype!r} caches; "
             f"{kv_dtype} caches are offered by the {', '.join(takes) or 'no'} decoder(s). Export without kv_dtype")
     return family.build(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
                         kv_dtype=kv_dtype)
