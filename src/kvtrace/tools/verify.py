@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvtrace.spec.tolerances import Tolerance, judge, max_abs_diff, tolerance_for
+from kvtrace.spec.tolerances import Tolerance, judge, kv_tolerance, max_abs_diff, tolerance_for
 from kvtrace.tools.runners import EagerRunner, JitRunner, LayerKV, Prompt, Runner, SessionRunner, Unavailable
 
 __all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "Unavailable", "VerifyReport",
@@ -230,17 +230,19 @@ def verify(
     steps: int = 8,
     dtype: torch.dtype = torch.float32,
     fp32: Runner | None = None,
-    kv_tol: Tolerance | None = None,
+    kv_dtype: str | None = None,
 ) -> VerifyReport:
     """Run every prompt (reset before each) through reference and candidates; compare every step.
 
     A ``Prompt`` carries named prefill inputs (e.g. image features) next to its token ids. ``fp32``
     (for a bf16/fp16 ``dtype`` only): the reference's model in float32, fed the same tokens, which
-    enables the reduced-precision route of ``kvtrace.spec.tolerances``. ``kv_tol``: what cache contents are
-    judged with (default: the dtype's tolerance; an int8 cache: ``kv_tolerance``, one int8 step)."""
+    enables the reduced-precision route of ``kvtrace.spec.tolerances``. ``kv_dtype``: the candidates hold a
+    quantized cache ("int8") and the reference is the same decoder with the same cache: cache contents are
+    judged with ``kv_tolerance`` (one int8 step) instead of the dtype's tolerance."""
     from kvtrace._errors import UsageError
 
     tol = tolerance_for(dtype)
+    kv_tol = kv_tolerance(dtype, kv_dtype) if kv_dtype is not None else None
     if fp32 is not None and dtype == torch.float32:
         raise UsageError("an fp32 reference only applies to reduced-precision runs (bfloat16, float16); "
                          "this run is float32, whose eager reference is already the fp32 one")

@@ -19,7 +19,6 @@ import torch
 
 from kvtrace._errors import UsageError
 from kvtrace.spec.cache import CacheSpec
-from kvtrace.spec.tolerances import kv_tolerance
 from kvtrace.tools.runners import DecoderRunner, Prompt, Runner
 from kvtrace.tools.verify import VerifyReport, verify
 
@@ -63,7 +62,7 @@ def verify_by_cache(model: torch.nn.Module, eager: Runner, candidates: Sequence[
         if dtype != torch.float32 and fp32 is not None:  # the same int8 decoder in float32: the second route
             high = decoder_reference(model, dataclasses.replace(spec, dtype="float32"), "decoder-eager-fp32")
         judged = verify(decoder_reference(model, spec), cands, prompts, steps=steps, dtype=dtype, fp32=high,
-                        kv_tol=kv_tolerance(dtype, spec.kv_dtype))
+                        kv_dtype=spec.kv_dtype)
         measured = verify(eager, cands, prompts, steps=steps, dtype=dtype)  # vs the unquantized cache
         report = _merge(report, judged, measured)
     assert report is not None
