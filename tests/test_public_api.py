@@ -11,12 +11,13 @@ ERRORS = {"ArtifactError", "CacheOverflowError", "CaptureError", "KvtraceError",
           "UsageError"}
 EXPECTED = ERRORS | {
     "__version__",
-    "CacheSpec", "LayerKind", "LayerSpec", "BufferSpec", "ProgramSpec", "InputSpec", "Decoder",  # declared state and programs
+    "CacheSpec", "LayerKind", "LayerSpec", "LayerState", "BufferSpec", "ProgramSpec", "InputSpec", "Decoder",  # declared state and programs
     "jit", "JittedModel", "JitStats",  # HF-style calls
     "export", "load", "Artifact", "Manifest",  # artifacts
     "Session", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
     "Chunk", "Conversation", "Turn", "TurnStats",  # running
     "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
+    "DecoderRunner",
     "lint", "LintReport", "Finding",  # tools
 }
 

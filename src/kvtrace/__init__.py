@@ -36,6 +36,7 @@ _LAZY = {
     "BufferSpec": "kvtrace.spec.cache",
     "LayerKind": "kvtrace.spec.cache",
     "LayerSpec": "kvtrace.spec.cache",
+    "LayerState": "kvtrace.spec.cache",
     "ProgramSpec": "kvtrace.spec.program",
     "InputSpec": "kvtrace.spec.program",
     "Decoder": "kvtrace.spec.decoder",
@@ -70,6 +71,7 @@ _LAZY = {
     "EagerRunner": "kvtrace.tools.runners",
     "JitRunner": "kvtrace.tools.runners",
     "SessionRunner": "kvtrace.tools.runners",
+    "DecoderRunner": "kvtrace.tools.runners",
     "lint": "kvtrace.tools.lint",
     "LintReport": "kvtrace.tools.lint",
     "Finding": "kvtrace.tools.lint",
@@ -85,6 +87,7 @@ __all__ = [
     "Chunk",
     "Conversation",
     "Decoder",
+    "DecoderRunner",
     "EagerRunner",
     "Finding",
     "Generation",
@@ -97,6 +100,7 @@ __all__ = [
     "KvtraceError",
     "LayerKind",
     "LayerSpec",
+    "LayerState",
     "LintReport",
     "Manifest",
     "ProgramSpec",
@@ -137,12 +141,12 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
     from kvtrace.runtime.session import Session, Snapshot
-    from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
+    from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest
     from kvtrace.spec.program import InputSpec, ProgramSpec
     from kvtrace.tools.lint import Finding, LintReport, lint
-    from kvtrace.tools.runners import EagerRunner, JitRunner, Prompt, Runner, SessionRunner
+    from kvtrace.tools.runners import DecoderRunner, EagerRunner, JitRunner, Prompt, Runner, SessionRunner
     from kvtrace.tools.verify import StepRow, VerifyReport, verify
 
 

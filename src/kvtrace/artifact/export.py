@@ -46,12 +46,17 @@ def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Te
 
 
 def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int,
-                 image_tokens: int | None = None) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
+                 image_tokens: int | None = None, kv_dtype: str | None = None
+                 ) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
     """(decoder, eager HF model or None, model info, tokenizer JSON or None) for a source string/path,
     an HF model or a Decoder."""
     from kvtrace.models.registry import make_decoder
 
     if isinstance(source, torch.nn.Module) and hasattr(source, "cache_spec"):
+        if kv_dtype is not None and source.cache_spec.kv_dtype != kv_dtype:
+            raise UsageError(f"kv_dtype={kv_dtype!r} asks for another cache than this Decoder declares "
+                             f"(cache_spec.kv_dtype={source.cache_spec.kv_dtype!r}); a Decoder's cache_spec decides, "
+                             "so leave kv_dtype unset or build the Decoder with it")
         return source, None, ModelInfo(model_name=type(source).__name__), None
     if isinstance(source, torch.nn.Module):
         model = source
@@ -60,8 +65,8 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
             model = copy.deepcopy(source).to(dtype)
         info = ModelInfo(model_name=type(model).__name__, model_type=model.config.model_type,
                          eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
-        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size,
-                            image_tokens=image_tokens), model, info, None
+        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
+                            kv_dtype=kv_dtype), model, info, None
     from kvtrace.sources.load import load_model
 
     loaded = load_model(source, dtype=dtype)
@@ -74,7 +79,8 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
         chat_template=loaded.chat_template,
     )
     tokenizer_json = loaded.tokenizer.to_str() if loaded.tokenizer is not None else None
-    decoder = make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens)
+    decoder = make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
+                           kv_dtype=kv_dtype)
     return decoder, loaded.model, info, tokenizer_json
 
 
@@ -95,6 +101,7 @@ def export(
     backend: str = "exported",
     image_tokens: int | None = None,
     prefill_logits: str = "all",
+    kv_dtype: str | None = None,
     progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """Export a decoder with its KV cache to one artifact file.
@@ -120,6 +127,10 @@ def export(
             the eager model returns); ``"last"`` — ``[B, 1, V]``, the last position only, which is all a
             generation samples from: the vocabulary projection runs on one row instead of T (on the
             default model ~20 % of a 37-token prefill's FLOPs). Recorded per program in the manifest.
+        kv_dtype: None or ``"auto"`` — K/V held in ``dtype``; ``"int8"`` — int8 K/V with a float16 scale per
+            token and KV head (``kvtrace.cache.int8``), about 0.27-0.28x the bytes of a float32 cache, quantized on
+            write and dequantized on read inside the programs; declared in the CacheSpec (``kv_dtype``), so the
+            manifest, the Session and ``kvtrace verify`` know it. Llama-family decoders (LlamaDecoder) only.
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """
@@ -127,6 +138,7 @@ def export(
     tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if tdtype not in DTYPES.values():
         raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    kv_dtype = _kv_dtype(kv_dtype)
     if max_seq_len < 1 or batch_size < 1:
         raise UsageError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
     path = Path(path)
@@ -136,7 +148,8 @@ def export(
     progress = progress or (lambda what: contextlib.nullcontext())
     with progress("loading model (GGUF is converted once, then cached)"):
         decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
-                                                            batch_size=batch_size, image_tokens=image_tokens)
+                                                            batch_size=batch_size, image_tokens=image_tokens,
+                                                            kv_dtype=kv_dtype)
     programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
     chosen.check_programs([p.name for p in programs], info.model_name or type(decoder).__name__)
     try:
@@ -172,6 +185,18 @@ def export(
         signatures={n: program_signature(ep) for n, ep in compiled.items()},
     )
     return write_artifact(path, manifest, unique, files, tokenizer_json)
+
+
+def _kv_dtype(kv_dtype: Any) -> str | None:
+    """None / "auto" -> None (K/V in the model's dtype); a quantized name as CacheSpec declares it."""
+    from kvtrace.spec.cache import KV_DTYPES
+
+    if kv_dtype is None or kv_dtype == "auto":
+        return None
+    if kv_dtype not in KV_DTYPES:
+        raise UsageError(f"kv_dtype must be 'auto' (K/V in the model's dtype) or one of {list(KV_DTYPES)}, "
+                         f"got {kv_dtype!r}")
+    return kv_dtype
 
 
 def _vocab(ep: torch.export.ExportedProgram) -> int:

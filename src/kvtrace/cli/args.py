@@ -66,6 +66,13 @@ def int_list(text: str) -> str:
 POSITIVE, SEED = int_in(1), int_in(0, 2**63 - 1)
 
 
+def kv_dtype_arg(p: argparse.ArgumentParser) -> None:
+    """``--kv-dtype {auto,int8}``: the KV cache's storage (auto: the model's dtype)."""
+    p.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto",
+                   help="KV cache storage: auto (default) = the model's dtype; int8 = int8 K/V with a float16 scale "
+                        "per token and KV head (~0.28x the bytes of a float32 cache; Llama-family decoders)")
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=POSITIVE, default=None)

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Callable
 
-from kvtrace.cli.args import POSITIVE
+from kvtrace.cli.args import POSITIVE, kv_dtype_arg
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -17,7 +17,8 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
     t0 = time.perf_counter()
     with output_file(args.output, "-o"):
         path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
-                      image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step)
+                      image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step,
+                      kv_dtype=args.kv_dtype)
     info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
     if ui.json_mode:
         print(json.dumps(info))
@@ -44,5 +45,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--prefill-logits", choices=("last", "all"), default="last",
                    help="last (default): prefill returns the last position's logits, all a generation needs "
                         "(the vocabulary projection runs on one row); all: every prompt position's, for scoring")
+    kv_dtype_arg(p)
     p.set_defaults(func=cmd_export)
 

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtrace.cli.args import POSITIVE, int_in
+from kvtrace.cli.args import POSITIVE, int_in, kv_dtype_arg
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -49,5 +49,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--image-features", default=None, metavar="FILE.safetensors",
                    help="vision decoders: cross_attention_states [1, N, dim]; every prompt runs with this image, "
                         "then again text only")
+    kv_dtype_arg(p)  # for the --against exports; an --artifact's own cache is read from its manifest
     p.set_defaults(func=cmd_verify)
 

@@ -1,8 +1,8 @@
 """Model families: adapters from a transformers model to a Decoder (``spec.decoder``) + CacheSpec.
 
-``registry`` (``Family``: a predicate on the HF config + a builder + a priority; ``make_decoder`` asks
-the families in order), ``llama`` (Llama-architecture decoders written out directly, sliding-window
-layers as rings: Llama, Qwen2, Mistral, Qwen3, SmolLM3, Granite, OLMo2, Phi-3), ``llama_args``
+``registry`` (``Family``: a predicate on the HF config + a builder + a priority + the quantized caches it
+offers, ``kv_dtypes``; ``make_decoder`` asks the families in order), ``llama`` (Llama-architecture decoders
+written out directly, sliding-window layers as rings, int8 KV caches: Llama, Qwen2, Mistral, Qwen3, SmolLM3, Granite, OLMo2, Phi-3), ``llama_args``
 (``LlamaArgs``: each of those families' quirks read once from its HF config, and ``supports``, which
 refuses what ``llama`` does not reproduce), ``gemma`` (Gemma, Gemma 2 and Gemma 3 text written out:
 scaled embeddings, (1 + w) norms, soft-capping, q/k norms, per-layer-type RoPE, hybrid local/global

@@ -12,6 +12,8 @@ Decoder contract (see spec/decoder.py)::
     forward(tokens [B, T], input_pos [T], k0, v0, k1, v1, ...) -> logits [B, T, V]
     k_i, v_i: [B, H_kv, S, D], written in place at input_pos
     (a SLIDING layer: S = window, a ring written at input_pos % window, see cache/sliding.py)
+    (an int8 cache, ``kv_dtype="int8"``: k_i, v_i int8 then k_scale_i, v_scale_i [B, H_kv, S, 1], see cache/int8.py;
+    state is split per layer by ``CacheSpec.layer_state``)
 
 The exported programs use ``forward_live(tokens, input_pos, key_pos [L], *state)``: the same, but
 attention reads only the live prefix ``[0, L)`` of each cache (L symbolic), so a short conversation
@@ -23,6 +25,7 @@ masked by each slot's position (``sliding.attention_inputs``); a cache of slidin
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -30,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import full, sliding
+from kvtrace.cache import full, int8, sliding
 from kvtrace.cache.kinds import kind_of
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
@@ -124,20 +127,44 @@ def _residual(a: LlamaArgs, x: torch.Tensor, out: torch.Tensor, norm: torch.Tens
 
 def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         key_pos: torch.Tensor | None = None, ring: bool = False, rope: bool = True) -> torch.Tensor:
+                         key_pos: torch.Tensor | None = None, ring: bool = False, rope: bool = True,
+                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decoder layer: attention over the cache (``cached_attention``), then the SwiGLU MLP.
 
     x [B, T, dim]; cos/sin [T, D_rot]; k_cache/v_cache [B, H_kv, S, D]; mask, key_pos, ring: see
-    ``cached_attention``. ``rope`` False: this layer applies no RoPE (SmolLM3). Pre-norm sublayers, or
+    ``cached_attention``. ``rope`` False: this layer applies no RoPE (SmolLM3). ``scales``: an int8 cache's
+    (k_scale, v_scale) [B, H_kv, S, 1] (``int8_attention``). Pre-norm sublayers, or
     with ``a.post_norms`` the norms on each sublayer's output (``_residual``).
     """
     b, t, _ = x.shape
     h = x if a.post_norms else _norm(a, x, layer.attn_norm)
     q, k, v = _qkv(a, layer, h, cos, sin, rope)
-    o = cached_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, key_pos, ring)  # [B, H, T, D]
+    if scales is not None:
+        o = int8_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, scales, key_pos, ring)  # [B, H, T, D]
+    else:
+        o = cached_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, key_pos, ring)  # [B, H, T, D]
     x = _residual(a, x, layer.wo(o.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)), layer.attn_norm)
     h = x if a.post_norms else _norm(a, x, layer.ffn_norm)
     return _residual(a, x, swiglu(layer, h), layer.ffn_norm)
+
+
+def int8_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor,
+                   mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   scales: tuple[torch.Tensor, torch.Tensor], key_pos: torch.Tensor | None = None,
+                   ring: bool = False) -> torch.Tensor:
+    """``cached_attention`` over an int8 cache (cache/int8.py): k_cache/v_cache
+    [B, H_kv, S, D] int8 with ``scales`` [B, H_kv, S, 1]; every key and value the queries see is read as the
+    cache stores it (quantized, then dequantized), this call's own included. -> [B, H, T, D]."""
+    if ring:  # the ring as it was, plus this call's keys as the ring will hold them; written after
+        ring_k, ring_v = int8.read(k_cache, v_cache, scales, q.dtype)  # [B, H_kv, W, D]
+        keys, values, ring_mask = sliding.attention_inputs(ring_k, ring_v, input_pos, int8.stored(k), int8.stored(v))
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, scale=a.attention_scale,
+                                           enable_gqa=True)
+        int8.write(sliding.OPS, k_cache, v_cache, scales, input_pos, k, v)  # slots input_pos % W
+        return o
+    int8.write(full.OPS, k_cache, v_cache, scales, input_pos, k, v)  # slots input_pos
+    keys, values = int8.read(k_cache, v_cache, scales, q.dtype, key_pos)  # [B, H_kv, L or S, D]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.attention_scale, enable_gqa=True)
 
 
 def _live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_pos: torch.Tensor,
@@ -220,8 +247,9 @@ class LlamaDecoder(nn.Module):
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
         mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
         for i, layer in enumerate(self.layers):
-            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, state[2 * i], state[2 * i + 1], key_pos,
-                                     ring=self._rings[i], rope=i not in a.no_rope)
+            kv = self.cache_spec.layer_state(state, i)  # k, v (+ an int8 cache's scales)
+            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, kv.k, kv.v, key_pos, ring=self._rings[i],
+                                     rope=i not in a.no_rope, scales=kv.scales)
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
         logits = self.output(_norm(a, x, self.norm))  # [B, T or 1, V]
@@ -323,12 +351,13 @@ def _long_inv_freq(rotary: nn.Module, cfg: Any) -> torch.Tensor:
     return long.to(rotary.inv_freq.dtype)
 
 
-def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> LlamaDecoder:
+def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None,
+           kv_dtype: str | None = None) -> LlamaDecoder:
     dtype = next(model.parameters()).dtype
-    return LlamaDecoder.from_hf(model, hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size,
-                                                     dtype=dtype))
+    spec = hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
+    return LlamaDecoder.from_hf(model, dataclasses.replace(spec, kv_dtype=kv_dtype))
 
 
 # Llama-family configs (Llama, SmolLM2, Qwen2, Mistral, Qwen3, SmolLM3, Granite, OLMo2, Phi-3; sliding windows as
-# rings) that ``supports`` accepts: before the general HFDecoder.
-FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20)
+# rings) that ``supports`` accepts: before the general HFDecoder. Offers int8 KV caches.
+FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20, kv_dtypes=("int8",))

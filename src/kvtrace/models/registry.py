@@ -4,7 +4,10 @@ A family is a predicate on the HF config plus a builder of its Decoder (``spec.d
 
     Family(name, model_types, supports(config) -> bool,
            build(model, *, max_seq_len, batch_size, image_tokens) -> Decoder, priority, vision,
-           refusal(config) -> str | None: why it says no, named in the error when no family does)
+           refusal(config) -> str | None: why it says no, named in the error when no family does, kv_dtypes)
+
+``kv_dtypes``: the quantized caches (``CacheSpec.kv_dtype``, e.g. ``"int8"``) its builder takes as
+``build(..., kv_dtype=...)``; ``make_decoder`` refuses any other for that family (UnsupportedError).
 
 ``make_decoder`` asks every family, lowest ``priority`` first (ties: registration order), and builds
 the first one whose ``supports`` accepts the config. Built-in families are each module's ``FAMILY``,
@@ -40,6 +43,7 @@ class Family:
     priority: int = 50  # lower is asked first: specialised decoders before general ones
     vision: bool = False  # takes image_tokens (cross-attention over image features)
     refusal: Callable[[Any], str | None] | None = None  # why ``supports`` says no (one clause), for the error
+    kv_dtypes: tuple[str, ...] = ()  # quantized caches build(..., kv_dtype=) accepts, e.g. ("int8",)
 
 
 _registered: list[Family] = []
@@ -86,10 +90,19 @@ def family_for(config: Any) -> Family:
 
 
 def make_decoder(model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1,
-                 image_tokens: int | None = None) -> Decoder:
-    """The Decoder to export for an HF model, built by the first family that supports its config."""
+                 image_tokens: int | None = None, kv_dtype: str | None = None) -> Decoder:
+    """The Decoder to export for an HF model, built by the first family that supports its config;
+    ``kv_dtype`` (e.g. ``"int8"``) asks for a quantized cache, None for K/V in the model's dtype."""
     family = family_for(model.config)
     if image_tokens is not None and not family.vision:
         raise UsageError(f"image_tokens applies to vision decoders (MllamaForCausalLM); "
                          f"{model.config.model_type!r} is a text-only model, so leave it unset")
-    return family.build(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens)
+    if kv_dtype is None:
+        return family.build(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens)
+    if kv_dtype not in family.kv_dtypes:
+        takes = sorted({f.name for f in families() if kv_dtype in f.kv_dtypes})
+        raise UnsupportedError(
+            f"the {family.name} decoder ({model.config.model_type!r}) does not run kv_dtype={kv_dtype!r} caches; "
+            f"{kv_dtype} caches are offered by the {', '.join(takes) or 'no'} decoder(s). Export without kv_dtype")
+    return family.build(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
+                        kv_dtype=kv_dtype)

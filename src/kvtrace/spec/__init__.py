@@ -1,11 +1,12 @@
 """Specs: the small frozen descriptions everything else derives from.
 
-``cache`` (CacheSpec, LayerSpec, LayerKind: what a KV cache is), ``program`` (ProgramSpec, InputSpec:
+``cache`` (CacheSpec, LayerSpec, LayerKind: what a KV cache is, incl. the int8 option ``kv_dtype`` and
+``layer_state``, a layer's tensors of the flat state), ``program`` (ProgramSpec, InputSpec:
 what each captured program takes and returns), ``decoder`` (the Decoder protocol every model family
 builds: ``cache_spec`` + ``forward(tokens, input_pos, *cache) -> logits``), ``config`` (reading HF
 config objects: head_dim, KV heads, RoPE type, max positions, sliding window, layer types),
 ``manifest`` (Manifest, ModelInfo: an artifact's versioned JSON root, its field checks, and the inputs
-it says each program takes), ``tolerances`` (per-dtype verify tolerances, in one place).
+it says each program takes), ``tolerances`` (per-dtype verify tolerances, and the int8 cache's one-step ``kv_tolerance``, in one place).
 
 Layer 1 of the flow: imports nothing from kvtrace but ``kvtrace._errors``.
 """

@@ -7,7 +7,10 @@ Invariants (checked in ``__post_init__``):
   * every layer's ``max_len`` is ``max_seq_len`` for FULL layers, ``window`` for SLIDING layers,
     and the fixed number of encoder/image tokens for CROSS layers;
   * buffers are named uniquely and listed in program-signature order (``buffers()``);
-  * initial values are plain numbers; a buffer is (re)set by ``fill_(init)``.
+  * initial values are plain numbers; a buffer is (re)set by ``fill_(init)``;
+  * ``kv_dtype`` None: K/V are held in ``dtype``; ``"int8"``: each layer holds K, V as int8 plus one
+    float16 scale per token and KV head (``k_scale``/``v_scale`` ``[B, H_kv, S, 1]``, symmetric, no zero
+    point; see ``cache/int8.py``), all starting at 0 (dequantized: 0). Omitted from the manifest when None.
 """
 
 from __future__ import annotations
@@ -15,16 +18,19 @@ from __future__ import annotations
 import enum
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from kvtrace._errors import ArtifactError, UsageError
 
-__all__ = ["BufferSpec", "CacheSpec", "LayerKind", "LayerSpec"]
+__all__ = ["KV_DTYPES", "SCALE_DTYPE", "BufferSpec", "CacheSpec", "LayerKind", "LayerSpec", "LayerState"]
 
 LAYOUT = "[B, H_kv, S, D]"
+KV_DTYPES = ("int8",)  # quantized K/V a CacheSpec can declare (kv_dtype); None: K/V in the cache's dtype
+SCALE_DTYPE = "float16"  # an int8 cache's per-token, per-head scales [B, H_kv, S, 1] (as llama.cpp's q8_0)
 
 
 class LayerKind(enum.StrEnum):
@@ -94,13 +100,29 @@ def _check_init(v: Any, what: str) -> None:
         raise UsageError(f"{what}: the initial value must be a finite plain number, got {v!r}")
 
 
+class LayerState(NamedTuple):
+    """One layer's state tensors, taken from the flat state by ``CacheSpec.layer_state``."""
+
+    k: torch.Tensor  # [B, H_kv, S, D] (int8 when the spec's kv_dtype is "int8")
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None  # int8 caches: [B, H_kv, S, 1] float16, one scale per slot and head
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(k_scale, v_scale) of an int8 layer, None for a layer holding K/V in the cache's dtype."""
+        return None if self.k_scale is None or self.v_scale is None else (self.k_scale, self.v_scale)
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """Declared KV cache of one decoder.
 
     ``layers[i]`` describes decoder layer i. Each layer owns a K and a V buffer of shape
     ``[batch_size, n_kv_heads, max_len, head_dim]`` (``LAYOUT``). ``extra`` lists further state
-    buffers (e.g. a position counter or a sentinel) with their declared initial values.
+    buffers (e.g. a position counter or a sentinel) with their declared initial values. ``kv_dtype``
+    ``"int8"``: K and V are int8 and each layer also owns ``k_scale``/``v_scale`` ``[B, H_kv, S, 1]``
+    (``SCALE_DTYPE``); decoders take a layer's tensors with ``layer_state``.
     """
 
     layers: tuple[LayerSpec, ...]
@@ -110,6 +132,7 @@ class CacheSpec:
     layout: str = LAYOUT
     kv_init: float = 0.0
     extra: tuple[BufferSpec, ...] = field(default_factory=tuple)
+    kv_dtype: str | None = None  # None: K/V in `dtype`; "int8": quantized, with per-token, per-head scales
 
     def __post_init__(self) -> None:
         if not (_is_int(self.batch_size) and _is_int(self.max_seq_len)) or self.batch_size < 1 or self.max_seq_len < 1:
@@ -124,6 +147,12 @@ class CacheSpec:
             raise UsageError(f"CacheSpec.extra must hold BufferSpecs, got {[type(x).__name__ for x in self.extra]}")
         _check_dtype(self.dtype, "CacheSpec")
         _check_init(self.kv_init, "CacheSpec.kv_init")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise UsageError(f"CacheSpec.kv_dtype must be None (K/V in {self.dtype}) or one of {list(KV_DTYPES)}, "
+                             f"got {self.kv_dtype!r}")
+        if self.kv_dtype is not None and self.kv_init != 0.0:
+            raise UsageError(f"an {self.kv_dtype} cache starts at 0 (values and scales); got kv_init={self.kv_init}. "
+                             "Use kv_init=0.0 or kv_dtype=None")
         if self.layout != LAYOUT:
             raise UsageError(f"CacheSpec layout must be {LAYOUT!r}, got {self.layout!r}")
         for i, layer in enumerate(self.layers):
@@ -142,15 +171,33 @@ class CacheSpec:
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
 
+    @property
+    def per_layer(self) -> int:
+        """State tensors per layer: 2 (k, v), or 4 for an int8 cache (k, v, k_scale, v_scale)."""
+        return 2 if self.kv_dtype is None else 4
+
     def buffers(self) -> tuple[BufferSpec, ...]:
-        """All state tensors in program-signature order: k0, v0, k1, v1, ..., then extras."""
+        """All state tensors in program-signature order: k0, v0, k1, v1, ..., then extras; an int8 cache
+        k0, v0, k0_scale, v0_scale, k1, ... (``layers.{i}.k``, ``.v``, ``.k_scale``, ``.v_scale``)."""
         out: list[BufferSpec] = []
         for i, layer in enumerate(self.layers):
             shape = (self.batch_size, layer.n_kv_heads, layer.max_len, layer.head_dim)  # [B, H_kv, S, D]
-            out.append(BufferSpec(f"layers.{i}.k", shape, self.dtype, self.kv_init))
-            out.append(BufferSpec(f"layers.{i}.v", shape, self.dtype, self.kv_init))
+            if self.kv_dtype is None:
+                out.append(BufferSpec(f"layers.{i}.k", shape, self.dtype, self.kv_init))
+                out.append(BufferSpec(f"layers.{i}.v", shape, self.dtype, self.kv_init))
+                continue
+            scale = (*shape[:3], 1)  # [B, H_kv, S, 1]: one scale per slot and KV head
+            out.append(BufferSpec(f"layers.{i}.k", shape, self.kv_dtype, 0))
+            out.append(BufferSpec(f"layers.{i}.v", shape, self.kv_dtype, 0))
+            out.append(BufferSpec(f"layers.{i}.k_scale", scale, SCALE_DTYPE, 0.0))
+            out.append(BufferSpec(f"layers.{i}.v_scale", scale, SCALE_DTYPE, 0.0))
         out.extend(self.extra)
         return tuple(out)
+
+    def layer_state(self, state: Sequence[torch.Tensor], i: int) -> LayerState:
+        """Layer ``i``'s tensors of ``state`` (laid out as ``buffers()``): k, v and, int8, their scales."""
+        n = self.per_layer
+        return LayerState(*state[n * i : n * i + n])
 
     def allocate(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """Fresh state tensors holding the declared initial values."""
@@ -170,6 +217,8 @@ class CacheSpec:
     # --- (de)serialisation: plain JSON, no pickles -------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if self.kv_dtype is None:
+            del d["kv_dtype"]  # the manifest of a cache in its model's dtype reads as before int8 caches existed
         d["layers"] = [{**asdict(layer), "kind": layer.kind.value} for layer in self.layers]
         d["extra"] = [{**asdict(b), "shape": list(b.shape)} for b in self.extra]
         return d
@@ -192,7 +241,8 @@ class CacheSpec:
         for layer in self.layers:
             kinds[layer.kind.value] = kinds.get(layer.kind.value, 0) + 1
         k = ", ".join(f"{n} {kind}" for kind, n in kinds.items())
+        kv = self.dtype if self.kv_dtype is None else f"{self.kv_dtype} K/V with {SCALE_DTYPE} scales ({self.dtype} model)"
         return (
             f"{len(self.layers)} layers ({k}), batch {self.batch_size}, max_seq_len {self.max_seq_len}, "
-            f"{self.dtype}, {self.layout}, {self.nbytes() / 2**20:.1f} MiB"
+            f"{kv}, {self.layout}, {self.nbytes() / 2**20:.1f} MiB"
         )

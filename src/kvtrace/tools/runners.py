@@ -5,9 +5,11 @@ reset, prefill (token ids plus the named inputs of a prompt, e.g. a vision decod
 ``[B, H_kv, P, D]`` for self-attention layers (sliding-window layers: the last min(P, window - 1)
 positions, as transformers' DynamicSlidingWindowLayer holds them), ``[B, H_kv, N, D]`` for cross-attention
 layers holding N image tokens, None for a layer that holds nothing (a cross-attention layer in a text-only
-run, as eager leaves it). ``EagerRunner`` (the HF model, the reference), ``JitRunner`` (the same calls through
-``kvtrace.jit``), ``SessionRunner`` (an artifact Session), ``Unavailable`` (a candidate that could not be
-built); ``Prompt`` (token ids and named prefill inputs).
+run, as eager leaves it). An int8 cache's layers are compared dequantized (values times their scales, so a
+wrong or stale scale shows). ``EagerRunner`` (the HF model, the reference), ``JitRunner`` (the same calls through
+``kvtrace.jit``), ``SessionRunner`` (an artifact Session), ``DecoderRunner`` (a kvtrace Decoder run eagerly in a
+Session over its own CacheSpec state: the reference of an int8-cache artifact, same decoder, same quantized
+cache), ``Unavailable`` (a candidate that could not be built); ``Prompt`` (token ids and named prefill inputs).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 from kvtrace.cache.hf import cache_kwarg_name
 from kvtrace.spec import config as hfconfig
 
-__all__ = ["EagerRunner", "JitRunner", "LayerKV", "Prompt", "Runner", "SessionRunner", "Unavailable"]
+__all__ = ["DecoderRunner", "EagerRunner", "JitRunner", "LayerKV", "Prompt", "Runner", "SessionRunner", "Unavailable"]
 
 LayerKV = tuple[torch.Tensor, torch.Tensor] | None  # (K, V) of one layer; None: the layer holds nothing
 
@@ -131,16 +133,41 @@ class SessionRunner:
 
     def cache(self) -> list[LayerKV]:
         """Self-attention layers: the first P positions; cross-attention layers: all N slots once a
-        program that fills them (e.g. prefill_image) ran, else None."""
+        program that fills them (e.g. prefill_image) ran, else None. int8 layers: those slots dequantized."""
+        from kvtrace.cache import int8
         from kvtrace.cache.kinds import kind_of
 
-        p = self.session.position
-        st = self.session.state
+        p, spec = self.session.position, self.session.spec
+        filled = bool(self.session.filled)
         out: list[LayerKV] = []
-        for i, layer in enumerate(self.session.spec.layers):
-            k, v = st[2 * i], st[2 * i + 1]  # [B, H_kv, S or N, D]
-            out.append(kind_of(layer).valid(k, v, p, bool(self.session.filled)))  # the slots holding data
+        for i, layer in enumerate(spec.layers):
+            kv = spec.layer_state(self.session.state, i)  # [B, H_kv, S or N, D] (+ int8 scales [B, H_kv, S, 1])
+            kind = kind_of(layer)
+            if kv.scales is None:
+                out.append(kind.valid(kv.k, kv.v, p, filled))  # the slots holding data
+            else:
+                out.append(int8.valid(kind, kv.k, kv.v, kv.scales, p, filled, spec.torch_dtype))
         return out
+
+
+class DecoderRunner(SessionRunner):
+    """A kvtrace Decoder itself, run eagerly: a Session over its CacheSpec's own state whose programs are the
+    decoder's methods (``program_specs``: e.g. ``forward_live`` with ``key_pos``), called without capture.
+
+    The reference for an artifact whose cache is not the HF model's (an int8 cache): the same decoder with the
+    same quantized cache, so only capture and compilation differ."""
+
+    def __init__(self, decoder: torch.nn.Module, name: str = "decoder-eager"):
+        from kvtrace.runtime.session import Session
+        from kvtrace.spec.program import program_specs
+
+        progs = {p.name: p for p in program_specs(decoder)}
+        prefill, decode = (getattr(decoder, progs[n].method) for n in ("prefill", "decode"))
+        if progs["prefill"].key_pos != progs["decode"].key_pos:
+            raise ValueError(f"{type(decoder).__name__}: prefill and decode must agree on key_pos to run in a Session")
+        self.decoder = decoder
+        super().__init__(Session(decoder.cache_spec, prefill, decode, key_pos=progs["prefill"].key_pos,
+                                 identity=f"eager:{type(decoder).__name__}"), name)
 
 
 class Unavailable:

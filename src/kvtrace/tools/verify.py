@@ -12,6 +12,10 @@ For bf16/fp16, an optional fp32 reference (the same weights upcast, fed the same
 second route of ``kvtrace.spec.tolerances``: a candidate further from eager than the tolerance still passes a
 tensor if it is no further from fp32 than eager itself is (+ tolerance); rows record both errors.
 
+An int8-cache candidate is judged against the same decoder run eagerly with the same quantized cache
+(``tools.verify_kv``), its cache contents with ``kv_tolerance`` (one int8 step); its error vs the unquantized
+cache is reported, not judged (``VerifyReport.vs_fp32``). Each row names its reference.
+
 A failing row says what failed, cache first (the earliest layer whose K or V is off, with the first
 bad position), then the logits, e.g. ``"layer 0 K max abs 1.3 > 0.0001 (first bad position 0,
 worst 4); logits max abs 2.1 > 0.0005"``. A candidate that raises fails that step (the error is
@@ -20,6 +24,7 @@ the failure text) and is skipped for the rest of that prompt; the next prompt re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
@@ -29,7 +34,7 @@ from typing import Any
 
 import torch
 
-from kvtrace.spec.tolerances import Tolerance, judge, max_abs_diff, tolerance_for
+from kvtrace.spec.tolerances import Tolerance, judge, kv_tolerance, max_abs_diff, tolerance_for
 from kvtrace.tools.runners import EagerRunner, JitRunner, LayerKV, Prompt, Runner, SessionRunner, Unavailable
 
 __all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "Unavailable", "VerifyReport",
@@ -53,6 +58,7 @@ class StepRow:
     # "layer 0 cache shape [1, 2, 14, 16] != eager [1, 2, 3, 16]", "raised UsageError: ..."
     logits_vs_fp32: float | None = None  # with an fp32 reference: max|candidate - fp32| of the logits
     eager_logits_vs_fp32: float | None = None  # ... and eager's own max|eager - fp32|
+    reference: str = "eager"  # the runner this row was compared with (an int8 cache: the same decoder, eager)
 
     @property
     def worst_layer(self) -> int:
@@ -65,6 +71,8 @@ class VerifyReport:
     tolerance: dict[str, str]
     dtype: str
     rows: list[StepRow] = field(default_factory=list)
+    # int8-cache candidates vs the unquantized cache (the HF model, eager): reported, never judged
+    vs_fp32: VerifyReport | None = None
 
     @property
     def passed(self) -> bool:
@@ -85,6 +93,7 @@ class VerifyReport:
             fail = self.first_failure(c)
             out.append({
                 "candidate": c,
+                "reference": rows[0].reference,
                 "steps": len(rows),
                 "logits_max_abs": worst.logits_max_abs,
                 "logits_worst_step": f"p{worst.prompt}/{worst.step}",
@@ -102,10 +111,17 @@ class VerifyReport:
             })
         return out
 
+    def unjudged(self) -> list[dict[str, Any]]:
+        """``summary()`` without its verdict: the errors of a comparison that is reported, not judged."""
+        drop = ("passed", "result", "tolerance", "first_failure")
+        return [{k: v for k, v in s.items() if k not in drop} for s in self.summary()]
+
     def to_json(self) -> str:
         """Strict JSON (an infinite or NaN error is written as null; the row's ``failure`` says why)."""
         doc = {"passed": self.passed, "result": "PASS" if self.passed else "FAIL", "dtype": self.dtype,
                "tolerance": self.tolerance, "summary": self.summary(), "rows": [asdict(r) for r in self.rows]}
+        if self.vs_fp32 is not None:
+            doc["vs_fp32"] = {"judged": False, "summary": self.vs_fp32.unjudged()}
         return json.dumps(_finite(doc), indent=2, allow_nan=False)
 
 
@@ -128,7 +144,8 @@ def _finite(x: Any) -> Any:
 
 def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand: Runner,
              ref_logits: torch.Tensor, cand_logits: torch.Tensor, tol: Tolerance,
-             fp32: Runner | None = None, fp32_logits: torch.Tensor | None = None) -> StepRow:
+             fp32: Runner | None = None, fp32_logits: torch.Tensor | None = None,
+             kv_tol: Tolerance | None = None) -> StepRow:
     ref_f, cand_f = ref_logits.float(), cand_logits.float()
     vs_fp32 = eager_vs_fp32 = None
     if cand_f.shape != ref_f.shape:
@@ -174,7 +191,7 @@ def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand
             continue
         fk, fv = f_kv if f_kv is not None and f_kv[0].shape == rk.shape else (None, None)
         for which, r, c, f, acc in (("K", rk, ck, fk, ks), ("V", rv, cv, fv, vs)):
-            j = judge(c, r, tol, f)
+            j = judge(c, r, kv_tol or tol, f)
             acc.append(j.diff)
             if not j.passed:
                 # positions over the limit of the route that decided: fp32's when it was tried, else eager's
@@ -213,21 +230,26 @@ def verify(
     steps: int = 8,
     dtype: torch.dtype = torch.float32,
     fp32: Runner | None = None,
+    kv_dtype: str | None = None,
 ) -> VerifyReport:
     """Run every prompt (reset before each) through reference and candidates; compare every step.
 
     A ``Prompt`` carries named prefill inputs (e.g. image features) next to its token ids. ``fp32``
     (for a bf16/fp16 ``dtype`` only): the reference's model in float32, fed the same tokens, which
-    enables the reduced-precision route of ``kvtrace.spec.tolerances``."""
+    enables the reduced-precision route of ``kvtrace.spec.tolerances``. ``kv_dtype``: the candidates hold a
+    quantized cache ("int8") and the reference is the same decoder with the same cache: cache contents are
+    judged with ``kv_tolerance`` (one int8 step) instead of the dtype's tolerance."""
     from kvtrace._errors import UsageError
 
     tol = tolerance_for(dtype)
+    kv_tol = kv_tolerance(dtype, kv_dtype) if kv_dtype is not None else None
     if fp32 is not None and dtype == torch.float32:
         raise UsageError("an fp32 reference only applies to reduced-precision runs (bfloat16, float16); "
                          "this run is float32, whose eager reference is already the fp32 one")
     rule = str(tol) + (", or no further from fp32 than eager is (+ the same tolerance)" if fp32 is not None else "")
     report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": rule,
-                                     "fp32_reference": str(fp32 is not None).lower()},
+                                     "fp32_reference": str(fp32 is not None).lower(),
+                                     **({"kv_rule": str(kv_tol)} if kv_tol is not None else {})},
                           dtype=str(dtype).removeprefix("torch."))
     with torch.inference_mode():
         for p_idx, prompt in enumerate(prompts):
@@ -270,25 +292,31 @@ def verify(
                         last = s == 0 and getattr(c, "prefill_logits", "all") == "last"
                         row = _compare(c.name, p_idx, step, pos, reference, c,
                                        ref_logits[:, -1:] if last else ref_logits, out, tol, fp32,
-                                       f_logits[:, -1:] if last and f_logits is not None else f_logits)
+                                       f_logits[:, -1:] if last and f_logits is not None else f_logits, kv_tol)
                     except Exception as e:
                         row = _error_row(c.name, p_idx, step, pos, n_layers, _describe(e))
                         broken[c_idx] = f"skipped: {_describe(e)} at step {step}"
                     report.rows.append(row)
+    if reference.name != "eager":
+        report.rows = [dataclasses.replace(r, reference=reference.name) for r in report.rows]
     return report
 
 
 def render(report: VerifyReport) -> Any:
-    """A rich renderable: one summary row per candidate, with the tolerance in the title."""
+    """A rich renderable: one summary row per candidate, with the tolerance in the title; int8-cache
+    candidates also get a table of their error vs the unquantized cache (reported, not judged)."""
+    from rich.console import Group
     from rich.table import Table
 
     summary = report.summary()
     verdict = "[green]PASS[/green]" if report.passed else "[red]FAIL[/red]"
     failed = [s["candidate"] for s in summary if not s["passed"]]
+    kv_rule = report.tolerance.get("kv_rule")
     t = Table(
         title=f"kvtrace verify ({report.dtype}; pass if max|a-b| <= {report.tolerance['rule']})",
         caption=f"{verdict}: {len(summary) - len(failed)}/{len(summary)} candidate(s) within the {report.dtype} "
-                f"tolerance {report.tolerance['rule']}" + (f"; failed: {', '.join(failed)}" if failed else ""),
+                f"tolerance {report.tolerance['rule']}" + (f"; failed: {', '.join(failed)}" if failed else "")
+                + (f"; int8 caches: K/V within {kv_rule} of the same decoder's eager int8 cache" if kv_rule else ""),
     )
     with_fp32 = report.tolerance.get("fp32_reference") == "true"
     for col in ("candidate", "steps", "logits max abs", "worst step", "top-1 agree", "greedy tokens",
@@ -299,12 +327,21 @@ def render(report: VerifyReport) -> Any:
         if with_fp32:
             c, e = s["logits_vs_fp32"], s["eager_logits_vs_fp32"]
             fp32_col = ["-" if c is None or e is None else f"{c:.3g} / {e:.3g}"]
+        name = s["candidate"] if s["reference"] == "eager" else f"{s['candidate']} (vs {s['reference']})"
         t.add_row(
-            s["candidate"], str(s["steps"]), f"{s['logits_max_abs']:.3g}", s["logits_worst_step"],
+            name, str(s["steps"]), f"{s['logits_max_abs']:.3g}", s["logits_worst_step"],
             f"{s['top1_agree']:.3f}", f"{s['tokens_agree']}/{s['steps']}", f"{s['kv_max_abs']:.3g}", s["kv_worst"],
             *fp32_col, "[green]PASS[/green]" if s["passed"] else f"[red]FAIL[/red] {s['first_failure']}",
         )
-    return t
+    if report.vs_fp32 is None:
+        return t
+    u = Table(title=f"int8 KV cache vs the unquantized cache ({report.vs_fp32.dtype}, HF eager): reported, not judged")
+    for col in ("candidate", "logits max abs", "top-1 agree", "greedy tokens", "K/V max abs", "worst K/V"):
+        u.add_column(col, overflow="fold")
+    for s in report.vs_fp32.unjudged():
+        u.add_row(s["candidate"], f"{s['logits_max_abs']:.3g}", f"{s['top1_agree']:.3f}",
+                  f"{s['tokens_agree']}/{s['steps']}", f"{s['kv_max_abs']:.3g}", s["kv_worst"])
+    return Group(t, u)
 
 
 DEFAULT_PROMPTS = ("Who's the founder of Meta?", "Write one sentence about caches.")
@@ -382,7 +419,7 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
                 try:
                     with step(f"exporting ({a})"):
                         path = export(lm.model, Path(tmp) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
-                                      backend=a, image_tokens=image_tokens)
+                                      backend=a, image_tokens=image_tokens, kv_dtype=getattr(args, "kv_dtype", None))
                     cands.append(SessionRunner(load(path).session(), a))
                 except Exception as e:  # reported in the table; the other candidates still run
                     cands.append(Unavailable(a, f"export ({a}) {_describe(e)}"))
@@ -397,4 +434,8 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
                 import copy
 
                 fp32 = EagerRunner(copy.deepcopy(lm.model).float(), name="eager-fp32")
-            return verify(EagerRunner(lm.model), cands, prompts, steps=args.steps, dtype=dtype, fp32=fp32)
+            from kvtrace.tools.verify_kv import verify_by_cache
+
+            # candidates with an int8 cache are judged against the same decoder with the same cache (verify_kv)
+            return verify_by_cache(lm.model, EagerRunner(lm.model), cands, prompts, steps=args.steps, dtype=dtype,
+                                   fp32=fp32)

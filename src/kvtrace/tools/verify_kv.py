@@ -1,0 +1,80 @@
+"""verify with the reference each candidate's cache asks for: an int8 KV cache picks its own.
+
+A candidate whose Session declares a quantized cache (``CacheSpec.kv_dtype``, e.g. an artifact exported with
+``kv_dtype="int8"``) cannot match the HF model's unquantized cache to the dtype's tolerance, so it is judged
+against ``DecoderRunner``: the same model's decoder built with the *same* CacheSpec, run eagerly (same decoder,
+same quantized cache: only capture and compilation differ), with ``kv_tolerance`` for the cache contents
+(one int8 step). Its error vs the unquantized cache — the HF model eager, the usual reference — is measured
+on the same prompts and attached as ``VerifyReport.vs_fp32``: reported, not judged. Every other candidate
+is judged against the HF model eager as before. Rows name their reference (``StepRow.reference``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from kvtrace._errors import UsageError
+from kvtrace.spec.cache import CacheSpec
+from kvtrace.tools.runners import DecoderRunner, Prompt, Runner
+from kvtrace.tools.verify import VerifyReport, verify
+
+__all__ = ["decoder_reference", "quantized_spec", "verify_by_cache"]
+
+
+def quantized_spec(runner: Runner) -> CacheSpec | None:
+    """The CacheSpec of a runner's Session when it declares a quantized cache (kv_dtype), else None."""
+    spec = getattr(getattr(runner, "session", None), "spec", None)
+    return spec if isinstance(spec, CacheSpec) and spec.kv_dtype is not None else None
+
+
+def decoder_reference(model: torch.nn.Module, spec: CacheSpec, name: str | None = None) -> DecoderRunner:
+    """The model's decoder over exactly ``spec`` (its kv_dtype, max_seq_len, batch, dtype), run eagerly."""
+    from kvtrace.models.registry import make_decoder
+
+    if any(p.dtype != spec.torch_dtype for p in model.parameters() if p.is_floating_point()):
+        model = copy.deepcopy(model).to(spec.torch_dtype)  # the caller's model stays as it is
+    decoder = make_decoder(model, max_seq_len=spec.max_seq_len, batch_size=spec.batch_size, kv_dtype=spec.kv_dtype)
+    if decoder.cache_spec != spec:
+        raise UsageError(f"this model's {spec.kv_dtype} decoder declares the cache {decoder.cache_spec.describe()}, the "
+                         f"candidate {spec.describe()}; verify the artifact against the model it was exported from")
+    return DecoderRunner(decoder, name or f"decoder-eager-{spec.kv_dtype}")
+
+
+def verify_by_cache(model: torch.nn.Module, eager: Runner, candidates: Sequence[Runner],
+                    prompts: Sequence[Sequence[int] | torch.Tensor | Prompt], *, steps: int = 8,
+                    dtype: torch.dtype = torch.float32, fp32: Runner | None = None) -> VerifyReport:
+    """``verify`` of every candidate against its reference: ``eager`` (the HF ``model`` eager; ``fp32`` its
+    float32 copy for bf16 runs) for unquantized caches, ``decoder_reference`` for each quantized CacheSpec.
+    One report: the rows of every group, and the quantized candidates vs ``eager`` in ``vs_fp32``."""
+    plain = [c for c in candidates if quantized_spec(c) is None]
+    groups: dict[CacheSpec, list[Runner]] = {}
+    for c in candidates:
+        spec = quantized_spec(c)
+        if spec is not None:
+            groups.setdefault(spec, []).append(c)
+    report = verify(eager, plain, prompts, steps=steps, dtype=dtype, fp32=fp32) if plain or not groups else None
+    for spec, cands in groups.items():
+        high = None
+        if dtype != torch.float32 and fp32 is not None:  # the same int8 decoder in float32: the second route
+            high = decoder_reference(model, dataclasses.replace(spec, dtype="float32"), "decoder-eager-fp32")
+        judged = verify(decoder_reference(model, spec), cands, prompts, steps=steps, dtype=dtype, fp32=high,
+                        kv_dtype=spec.kv_dtype)
+        measured = verify(eager, cands, prompts, steps=steps, dtype=dtype)  # vs the unquantized cache
+        report = _merge(report, judged, measured)
+    assert report is not None
+    return report
+
+
+def _merge(into: VerifyReport | None, judged: VerifyReport, measured: VerifyReport) -> VerifyReport:
+    if into is None:
+        into = VerifyReport(tolerance=dict(judged.tolerance), dtype=judged.dtype)
+    into.rows.extend(judged.rows)
+    into.tolerance.setdefault("kv_rule", judged.tolerance.get("kv_rule", ""))
+    if into.vs_fp32 is None:
+        into.vs_fp32 = VerifyReport(tolerance=dict(measured.tolerance), dtype=measured.dtype)
+    into.vs_fp32.rows.extend(measured.rows)
+    return into
