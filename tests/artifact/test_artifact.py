@@ -25,7 +25,7 @@ from conftest import tiny_model
 from kvtrace._errors import ArtifactError, UsageError
 from kvtrace.artifact.archive import FORMAT, VERSION, Manifest, write_artifact
 from kvtrace.models.hf_generic import hf_cache_spec
-from kvtrace.models.llama import LIVE_PROGRAMS
+from kvtrace.models.step import LIVE_PROGRAMS
 from kvtrace.spec.program import DEFAULT_PROGRAMS, ProgramSpec
 from kvtrace.spec.tolerances import close, tolerance_for
 

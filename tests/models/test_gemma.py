@@ -15,8 +15,8 @@ import kvtrace
 from conftest import FAMILY_ARCHS, TINY, tiny_model
 from kvtrace._errors import UnsupportedError
 from kvtrace.models import gemma
-from kvtrace.models.llama import LIVE_PROGRAMS
 from kvtrace.models.registry import family_for, make_decoder
+from kvtrace.models.step import LIVE_PROGRAMS
 from kvtrace.spec.cache import LayerKind
 from kvtrace.tools.verify import EagerRunner, SessionRunner, verify
 

@@ -11,7 +11,8 @@ cross-attention cache), ``hf_generic`` (any HF decoder-only causal LM whose laye
 attention, run by HF's own modules behind the uniform step; asked last; refused only for a cache kind
 or feature it cannot express, named), ``hf_attention`` (what hf_generic swaps into HF's modules: the
 per-call cache object over the state buffers and the attention function registered with transformers'
-``AttentionInterface``). Each family module defines its ``FAMILY``; adding a family is one module plus
+``AttentionInterface``), ``step`` (what those decoders share at their edge: ``forward`` / ``forward_live``
+over their ``_run``, and which programs to export). Each family module defines its ``FAMILY``; adding a family is one module plus
 its name in ``registry.BUILTIN`` (or a ``registry.register`` call).
 
 May import: ``spec``, ``cache``.

@@ -41,13 +41,12 @@ from torch import nn
 
 from kvtrace._errors import UnsupportedError
 from kvtrace.cache import full, sliding
-from kvtrace.cache.kinds import kind_of
 from kvtrace.models.hf_generic import hf_cache_spec
-from kvtrace.models.llama import LENGTH_DEPENDENT_ROPE, LIVE_PROGRAMS, MIN_LIVE_PREFIX, _rope, _rope_table
+from kvtrace.models.llama import LENGTH_DEPENDENT_ROPE, _rope, _rope_table
 from kvtrace.models.registry import Family
+from kvtrace.models.step import Step, programs_for, ring_layers
 from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import CacheSpec
-from kvtrace.spec.program import DEFAULT_PROGRAMS
 
 __all__ = ["FAMILY", "GemmaArgs", "GemmaDecoder", "supports"]
 
@@ -194,7 +193,7 @@ def _block(a: GemmaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor
     return x + m
 
 
-class GemmaDecoder(nn.Module):
+class GemmaDecoder(Step):
     """A Gemma-family Decoder whose weights come from an HF model (fused, stored once)."""
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
@@ -214,18 +213,8 @@ class GemmaDecoder(nn.Module):
         self.register_buffer("embed_scale", embed_scale, persistent=True)  # [] in the model's dtype
         self.register_buffer("rope_cos", rope_cos, persistent=True)  # [tables, S_max, D]
         self.register_buffer("rope_sin", rope_sin, persistent=True)
-        self._rings = tuple(kind_of(layer) is sliding.OPS for layer in spec.layers)  # attention over a ring
-        live = spec.max_seq_len >= MIN_LIVE_PREFIX and not all(self._rings)  # some layer reads a live prefix
-        self.programs = LIVE_PROGRAMS if live else DEFAULT_PROGRAMS
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
-        """Attention over all max_seq_len cache slots (stale ones masked by position)."""
-        return self._run(tokens, input_pos, None, state)
-
-    def forward_live(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor,
-                     *state: torch.Tensor) -> torch.Tensor:
-        """Attention over cache slots ``key_pos = 0 .. L-1`` only (L = the position after this call)."""
-        return self._run(tokens, input_pos, key_pos, state)
+        self._rings = ring_layers(spec)  # attention over a ring
+        self.programs = programs_for(spec)
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,
              state: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -33,17 +33,13 @@ from kvtrace.cache import full, sliding
 from kvtrace.cache.kinds import kind_of
 from kvtrace.models import hf_attention
 from kvtrace.models.registry import Family
+from kvtrace.models.step import Step, programs_for
 from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
-from kvtrace.spec.program import DEFAULT_PROGRAMS, ProgramSpec
 
 __all__ = ["FAMILY", "LAYER_TYPES", "HFDecoder", "hf_cache_spec", "refusal"]
 
 LAYER_TYPES = (hfconfig.FULL_ATTENTION, hfconfig.SLIDING_ATTENTION)  # the HF layer types kvtrace holds
-# Caches this small attend to every slot: nothing to save, and export needs example lengths L > T >= 2.
-MIN_LIVE_PREFIX = 8
-LIVE_PROGRAMS = (ProgramSpec("prefill", method="forward_live", key_pos=True),
-                 ProgramSpec("decode", method="forward_live", single_token=True, key_pos=True))
 
 
 def _layer_type_refusal(cfg: Any) -> str | None:
@@ -145,7 +141,7 @@ def _config_copies(config: Any) -> tuple[Any, dict[int, Any]]:
     return mine, pairs
 
 
-class HFDecoder(torch.nn.Module):
+class HFDecoder(Step):
     """An HF decoder-only causal LM as a Decoder over a declared cache of full and sliding layers."""
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): HF's logits_to_keep=1
@@ -168,18 +164,7 @@ class HFDecoder(torch.nn.Module):
         _, configs = _config_copies(cfg)
         self.model = _share(model, configs, {})  # the caller's tensors, kvtrace's config: see the module docstring
         self._cache_kw = cache_kwarg_name(model)
-        rings = [kind_of(layer) is sliding.OPS for layer in self.cache_spec.layers]
-        live = max_seq_len >= MIN_LIVE_PREFIX and not all(rings)  # some layer reads a live prefix
-        self.programs = LIVE_PROGRAMS if live else DEFAULT_PROGRAMS
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
-        """Full layers attend over all max_seq_len slots (stale ones masked by position)."""
-        return self._run(tokens, input_pos, None, state)
-
-    def forward_live(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor,
-                     *state: torch.Tensor) -> torch.Tensor:
-        """Full layers attend over cache slots ``key_pos = 0 .. L-1`` only (L = the position after this call)."""
-        return self._run(tokens, input_pos, key_pos, state)
+        self.programs = programs_for(self.cache_spec)
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,
              state: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -34,20 +34,15 @@ from torch import nn
 
 from kvtrace._errors import UnsupportedError
 from kvtrace.cache import full, int8, sliding
-from kvtrace.cache.kinds import kind_of
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
 from kvtrace.models.registry import Family
+from kvtrace.models.step import Step, programs_for, ring_layers
 from kvtrace.spec import config as hfconfig
 from kvtrace.spec.cache import CacheSpec
-from kvtrace.spec.program import DEFAULT_PROGRAMS, ProgramSpec
 
 __all__ = ["FAMILY", "LENGTH_DEPENDENT_ROPE", "LlamaArgs", "LlamaDecoder", "supports"]
 
-# Caches this small attend to every slot: nothing to save, and export needs example lengths L > T >= 2.
-MIN_LIVE_PREFIX = 8
-LIVE_PROGRAMS = (ProgramSpec("prefill", method="forward_live", key_pos=True),
-                 ProgramSpec("decode", method="forward_live", single_token=True, key_pos=True))
 
 
 class _Layer(nn.Module):
@@ -197,7 +192,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-class LlamaDecoder(nn.Module):
+class LlamaDecoder(Step):
     """A Llama-family Decoder whose weights come from an HF model (fused, stored once)."""
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
@@ -219,18 +214,8 @@ class LlamaDecoder(nn.Module):
         if a.rope_switch is not None:  # longrope: the long factors' table, [S_max, D] each
             self.register_buffer("rope_cos_long", rope_long[0], persistent=True)
             self.register_buffer("rope_sin_long", rope_long[1], persistent=True)
-        self._rings = tuple(kind_of(layer) is sliding.OPS for layer in spec.layers)  # attention over a ring
-        live = spec.max_seq_len >= MIN_LIVE_PREFIX and not all(self._rings)  # some layer reads a live prefix
-        self.programs = LIVE_PROGRAMS if live else DEFAULT_PROGRAMS
-
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
-        """Attention over all max_seq_len cache slots (stale ones masked by position)."""
-        return self._run(tokens, input_pos, None, state)
-
-    def forward_live(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor,
-                     *state: torch.Tensor) -> torch.Tensor:
-        """Attention over cache slots ``key_pos = 0 .. L-1`` only (L = the position after this call)."""
-        return self._run(tokens, input_pos, key_pos, state)
+        self._rings = ring_layers(spec)  # attention over a ring
+        self.programs = programs_for(spec)
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,
              state: tuple[torch.Tensor, ...]) -> torch.Tensor:
