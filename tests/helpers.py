@@ -131,3 +131,23 @@ class BakedLength(tf.LlamaForCausalLM):
         n = int(input_ids.shape[1])
         out.logits = out.logits * n
         return out
+
+
+def verify_bf16_export(low: torch.nn.Module, path: Path, prompts, steps: int, max_seq_len: int):
+    """Export the bf16 model ``low`` as bf16 programs (export's default dtype is float32: say it), check the
+    artifact holds bf16, and verify it against eager bf16 with the fp32 reference (the model upcast); the
+    report passed with one row per prompt and step. Returns the artifact."""
+    import copy
+
+    import kvtrace
+    from kvtrace.tools.verify import EagerRunner, SessionRunner, verify
+
+    high = copy.deepcopy(low).float()
+    kvtrace.export(low, path, max_seq_len=max_seq_len, backend="exported", dtype="bfloat16")
+    art = kvtrace.load(path)
+    assert art.cache_spec.dtype == "bfloat16"  # the bf16 programs are the ones verified
+    report = verify(EagerRunner(low), [SessionRunner(art.session(), "exported")], prompts, steps=steps,
+                    dtype=torch.bfloat16, fp32=EagerRunner(high, "fp32"))
+    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
+    assert len(report.rows) == len(prompts) * (1 + steps)
+    return art

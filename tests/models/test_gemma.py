@@ -13,6 +13,7 @@ import torch
 
 import kvtrace
 from conftest import FAMILY_ARCHS, TINY, tiny_model
+from helpers import verify_bf16_export
 from kvtrace._errors import UnsupportedError
 from kvtrace.models import gemma
 from kvtrace.models.registry import family_for, make_decoder
@@ -176,14 +177,8 @@ def test_exported_matches_eager_beyond_twice_the_window(name, built):
 
 def test_bf16_gemma3_passes_with_the_fp32_reference(tmp_path):
     low = _model("gemma3_text", torch.bfloat16)
-    high = copy.deepcopy(low).float()
-    kvtrace.export(low, tmp_path / "m.kvt", max_seq_len=MAX_SEQ_LEN, dtype="bfloat16", backend="exported")
-    art = kvtrace.load(tmp_path / "m.kvt")
-    assert art.cache_spec.dtype == "bfloat16" and [x.kind for x in art.cache_spec.layers] == [SLIDING, FULL]
-    report = verify(EagerRunner(low), [SessionRunner(art.session(), "exported")], PROMPTS, steps=STEPS,
-                    dtype=torch.bfloat16, fp32=EagerRunner(high, "fp32"))
-    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
-    assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
+    art = verify_bf16_export(low, tmp_path / "m.kvt", PROMPTS, STEPS, MAX_SEQ_LEN)
+    assert [x.kind for x in art.cache_spec.layers] == [SLIDING, FULL]
 
 
 @pytest.mark.compile

@@ -4,7 +4,6 @@ slots) far beyond a sliding window; config variations the fast path does not rep
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import kvtrace
 from conftest import TINY, tiny_model
+from helpers import verify_bf16_export
 from kvtrace._errors import UnsupportedError
 from kvtrace.models import registry
 from kvtrace.models.hf_generic import hf_cache_spec
@@ -109,12 +109,7 @@ def test_exported_family_matches_eager_logits_and_every_cache_layer(name, export
 
 def test_bf16_qwen3_hybrid_passes_with_the_fp32_reference(tmp_path):
     low = _model("qwen3-hybrid", torch.bfloat16)
-    high = copy.deepcopy(low).float()
-    kvtrace.export(low, tmp_path / "m.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported")
-    report = verify(EagerRunner(low), [SessionRunner(kvtrace.load(tmp_path / "m.kvt").session(), "exported")],
-                    PROMPTS, steps=STEPS, dtype=torch.bfloat16, fp32=EagerRunner(high, "fp32"))
-    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
-    assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
+    verify_bf16_export(low, tmp_path / "m.kvt", PROMPTS, STEPS, MAX_SEQ_LEN)  # (it exported fp32 before)
 
 
 @pytest.mark.compile

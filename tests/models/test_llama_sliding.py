@@ -4,7 +4,6 @@ planted ring faults fail verify."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 
 import kvtrace
 from conftest import tiny_model
+from helpers import verify_bf16_export
 from kvtrace.cache import sliding
 from kvtrace.spec.cache import LayerKind
 from kvtrace.spec.tolerances import tolerance_for
@@ -81,14 +81,7 @@ def test_exported_rings_match_eager_beyond_twice_the_window(arch, built):
 @pytest.mark.parametrize("arch", list(MODELS))
 def test_bf16_rings_pass_with_the_fp32_reference(arch, tmp_path):
     low = tiny_model(arch, torch.bfloat16, **MODELS[arch][0])
-    high = copy.deepcopy(low).float()
-    kvtrace.export(low, tmp_path / "m.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported", dtype="bfloat16")
-    art = kvtrace.load(tmp_path / "m.kvt")
-    assert art.cache_spec.dtype == "bfloat16"  # export's default is float32: the bf16 rings must be the ones run
-    report = verify(EagerRunner(low), [SessionRunner(art.session(), "exported")],
-                    PROMPTS, steps=STEPS, dtype=torch.bfloat16, fp32=EagerRunner(high, "fp32"))
-    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
-    assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
+    verify_bf16_export(low, tmp_path / "m.kvt", PROMPTS, STEPS, MAX_SEQ_LEN)
 
 
 @pytest.mark.compile
