@@ -15,7 +15,7 @@ EXPECTED = ERRORS | {
     "jit", "JittedModel", "JitStats",  # HF-style calls
     "export", "load", "Artifact", "Manifest",  # artifacts
     "Session", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
-    "Chunk", "Conversation", "Turn", "TurnStats",  # running
+    "Chunk", "Conversation", "Turn", "TurnStats", "Capturer", "EagerCapturer", "GraphStats",  # running
     "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
     "DecoderRunner",
     "lint", "LintReport", "Finding",  # tools

@@ -60,6 +60,9 @@ _LAZY = {
     "GenerationStats": "kvtrace.runtime.generate",
     "Chunk": "kvtrace.runtime.generate",
     "Conversation": "kvtrace.runtime.chat",
+    "Capturer": "kvtrace.runtime.graphs",
+    "EagerCapturer": "kvtrace.runtime.graphs",
+    "GraphStats": "kvtrace.runtime.graphs",
     "Turn": "kvtrace.runtime.chat",
     "TurnStats": "kvtrace.runtime.chat",
     # tools
@@ -84,15 +87,18 @@ __all__ = [
     "CacheOverflowError",
     "CacheSpec",
     "CaptureError",
+    "Capturer",
     "Chunk",
     "Conversation",
     "Decoder",
     "DecoderRunner",
+    "EagerCapturer",
     "EagerRunner",
     "Finding",
     "Generation",
     "GenerationResult",
     "GenerationStats",
+    "GraphStats",
     "InputSpec",
     "JitRunner",
     "JitStats",
@@ -139,6 +145,7 @@ if TYPE_CHECKING:  # pragma: no cover
         generate,
         stream,
     )
+    from kvtrace.runtime.graphs import Capturer, EagerCapturer, GraphStats
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
     from kvtrace.runtime.session import Session, Snapshot
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState

@@ -53,8 +53,11 @@ from kvtrace.artifact import reader
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
 from kvtrace.runtime.chat import Conversation
+from kvtrace.runtime.graphs import Capturer
 from kvtrace.runtime.session import Session
 from kvtrace.spec.cache import CacheSpec
+from kvtrace.spec.device import check_available, concrete
+from kvtrace.spec.device import resolve as resolve_device
 from kvtrace.spec.manifest import FORMAT, TOKENIZER, VERSION, WEIGHTS, Manifest, ModelInfo, clip
 
 __all__ = ["FORMAT", "VERSION", "Artifact", "Manifest", "ModelInfo", "dedupe_weights", "load", "program_signature",
@@ -65,25 +68,36 @@ class Artifact:
     """A loaded artifact: manifest, weights, tokenizer and the two programs. Make sessions from it."""
 
     def __init__(self, path: Path, manifest: Manifest, programs: dict[str, Callable[..., torch.Tensor]],
-                 tokenizer_json: str | None, keepalive: Any = None):
+                 tokenizer_json: str | None, keepalive: Any = None, device: torch.device | None = None):
         self.path = path
         self.manifest = manifest
         self._programs = programs
         self.tokenizer_json = tokenizer_json
         self._keepalive = keepalive  # weights / temp dirs the programs reference
+        self.device = device if device is not None else torch.device("cpu")  # where weights and programs run
 
     @property
     def cache_spec(self) -> CacheSpec:
         return self.manifest.cache_spec
 
-    def session(self) -> Session:
-        """A new Session with its own cache, holding the declared initial values."""
+    def session(self, device: str | torch.device | None = None, *, cuda_graphs: bool = False,
+                capturer: Capturer | None = None) -> Session:
+        """A new Session with its own cache, holding the declared initial values, on the artifact's device.
+
+        ``device``: None (the device the artifact was loaded on, ``self.device``) or that same device; the
+        programs and weights live there, so another is a UsageError (``kvtrace.load(path, device=...)``
+        picks it). ``cuda_graphs``: decode replays CUDA graphs (``runtime.graphs``; CUDA artifacts only), or with
+        ``capturer`` the same bookkeeping through it (``EagerCapturer``: no graphs, on any device)."""
+        if device is not None and concrete(resolve_device(device, what="session device")) != self.device:
+            raise UsageError(f"{self.path.name} was loaded on {self.device}, its weights and programs live there; "
+                             f"a session on {device} needs kvtrace.load(path, device={str(device)!r})")
         extra = {n: (spec, self._programs[n]) for n, spec in self.manifest.programs.items()
                  if n not in ("prefill", "decode")}
-        return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
+        return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"], device=self.device,
                        vocab_size=self.manifest.vocab_size, extra=extra,
                        prefill_logits=self.manifest.programs["prefill"].logits,
-                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity)
+                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity,
+                       cuda_graphs=cuda_graphs, capturer=capturer)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).
@@ -119,8 +133,14 @@ class Artifact:
         return f"Artifact({self.path.name}, {m.model_name or m.model_type}, backend={m.backend}, {m.cache_spec.describe()})"
 
 
-def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None) -> Artifact:
+def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
+         device: str | torch.device | None = None) -> Artifact:
     """Load an artifact written by ``kvtrace.export``. Imports neither transformers nor pickle.
+
+    ``device``: where the weights go (once) and the programs run; None: the device type the programs were
+    compiled for (``Manifest.device``; ``"cuda"`` is the current CUDA device), or ``"cuda:N"``. A device of
+    another type, or a CUDA artifact on a machine without CUDA, is a one-line UsageError before anything is
+    loaded.
 
     ``expected_sha256``: the SHA-256 (hex) of the whole file you trust; checked before anything in the
     file is parsed. Use it for every artifact of a native-code backend (``Backend.native_code``: aoti,
@@ -131,7 +151,13 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None) ->
     if expected_sha256 is not None and path.is_file():
         reader.check_file_hash(path, expected_sha256)
     manifest, blobs = reader.read_zip(path)
-    weights = reader.load_weights(path, blobs[WEIGHTS], manifest)
+    dev = resolve_device(device, default=manifest.device, what="load device")
+    if dev.type != manifest.device:
+        raise UsageError(f"{path}: its programs were compiled for {manifest.device}, so they cannot run on {dev}; "
+                         f"load it with device={manifest.device!r}, or re-export it with --device {dev.type}")
+    check_available(dev, f"{path} (programs compiled for {manifest.device})")
+    dev = concrete(dev)
+    weights = reader.load_weights(path, blobs[WEIGHTS], manifest, dev)
     tokenizer_json = None
     if TOKENIZER in blobs:
         try:
@@ -141,7 +167,7 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None) ->
     reader.check_signatures(path, manifest)
     keepalive: list[Any] = [weights]
     try:
-        programs = registry.get(manifest.backend).load(path, manifest, blobs, weights)
+        programs = registry.get(manifest.backend).load(path, manifest, blobs, weights, device=dev)
     except ArtifactError:
         raise
     except Exception as e:
@@ -153,4 +179,4 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None) ->
         raise ArtifactError(
             f"{path}: could not load the {manifest.backend} programs ({type(e).__name__}: {clip(str(e), 300)}). {hint}"
         ) from e
-    return Artifact(path, manifest, programs, tokenizer_json, keepalive)
+    return Artifact(path, manifest, programs, tokenizer_json, keepalive, device=dev)

@@ -22,6 +22,8 @@ from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
 from kvtrace.capture.export import capture_programs, with_prefill_logits
+from kvtrace.spec.device import check_available, concrete
+from kvtrace.spec.device import resolve as resolve_device
 from kvtrace.spec.manifest import Manifest, ModelInfo
 from kvtrace.spec.program import program_specs
 
@@ -46,27 +48,32 @@ def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Te
 
 
 def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int,
-                 image_tokens: int | None = None, kv_dtype: str | None = None
+                 image_tokens: int | None = None, kv_dtype: str | None = None, device: torch.device | None = None
                  ) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
     """(decoder, eager HF model or None, model info, tokenizer JSON or None) for a source string/path,
-    an HF model or a Decoder."""
+    an HF model or a Decoder, on ``device`` (default CPU). A caller's model or Decoder on another device or
+    in another dtype is converted on a copy: theirs is left where and as it was."""
+    from kvtrace.capture.export import device_of
     from kvtrace.models.registry import make_decoder
 
+    device = device or torch.device("cpu")
     if isinstance(source, torch.nn.Module) and hasattr(source, "cache_spec"):
         if kv_dtype is not None and source.cache_spec.kv_dtype != kv_dtype:
             raise UsageError(f"kv_dtype={kv_dtype!r} asks for another cache than this Decoder declares "
                              f"(cache_spec.kv_dtype={source.cache_spec.kv_dtype!r}); a Decoder's cache_spec decides, "
                              "so leave kv_dtype unset or build the Decoder with it")
-        return source, None, ModelInfo(model_name=type(source).__name__), None
+        decoder = source if device_of(source) == device else copy.deepcopy(source).to(device)
+        return decoder, None, ModelInfo(model_name=type(source).__name__), None
     if isinstance(source, torch.nn.Module):
         model = source
-        if any(t.dtype != dtype for t in model.parameters() if t.is_floating_point()):
+        if any(t.dtype != dtype for t in model.parameters() if t.is_floating_point()) or device_of(model) != device:
             # nn.Module.to() converts in place; convert a copy so the caller's model is left untouched.
-            model = copy.deepcopy(source).to(dtype)
+            model = copy.deepcopy(source).to(device=device, dtype=dtype)
         info = ModelInfo(model_name=type(model).__name__, model_type=model.config.model_type,
                          eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
-        return make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
-                            kv_dtype=kv_dtype), model, info, None
+        decoder = make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
+                               kv_dtype=kv_dtype)
+        return decoder.to(device), model, info, None
     from kvtrace.sources.load import load_model
 
     loaded = load_model(source, dtype=dtype)
@@ -79,9 +86,10 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
         chat_template=loaded.chat_template,
     )
     tokenizer_json = loaded.tokenizer.to_str() if loaded.tokenizer is not None else None
-    decoder = make_decoder(loaded.model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
+    model = loaded.model.to(device)  # our own copy: the decoder reads its RoPE tables where eager computes them
+    decoder = make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
                            kv_dtype=kv_dtype)
-    return decoder, loaded.model, info, tokenizer_json
+    return decoder.to(device), model, info, tokenizer_json
 
 
 def _eos(config: Any) -> tuple[int, ...]:
@@ -102,6 +110,7 @@ def export(
     image_tokens: int | None = None,
     prefill_logits: str = "all",
     kv_dtype: str | None = None,
+    device: str | torch.device = "cpu",
     progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """Export a decoder with its KV cache to one artifact file.
@@ -131,6 +140,10 @@ def export(
             token and KV head (``kvtrace.cache.int8``), about 0.27-0.28x the bytes of a float32 cache, quantized on
             write and dequantized on read inside the programs; declared in the CacheSpec (``kv_dtype``), so the
             manifest, the Session and ``kvtrace verify`` know it. Llama-family decoders (LlamaDecoder) only.
+        device: ``"cpu"`` (default) or ``"cuda"`` (``"cuda:N"``): the decoder, its weights and the example
+            inputs are put there before capture, so the programs are captured and compiled for that device
+            (AOTInductor: CUDA kernels); the manifest records the device type (``Manifest.device``) and loading
+            checks it. The caller's model stays where it was (a copy is moved).
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """
@@ -139,6 +152,11 @@ def export(
     if tdtype not in DTYPES.values():
         raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     kv_dtype = _kv_dtype(kv_dtype)
+    dev = resolve_device(device, what="export device")
+    if dev.type == "meta":
+        raise UsageError("export device must be cpu or cuda; meta tensors hold no weights to export")
+    check_available(dev, f"export to device {dev}")
+    dev = concrete(dev)
     if max_seq_len < 1 or batch_size < 1:
         raise UsageError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
     path = Path(path)
@@ -149,7 +167,7 @@ def export(
     with progress("loading model (GGUF is converted once, then cached)"):
         decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
                                                             batch_size=batch_size, image_tokens=image_tokens,
-                                                            kv_dtype=kv_dtype)
+                                                            kv_dtype=kv_dtype, device=dev)
     programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
     chosen.check_programs([p.name for p in programs], info.model_name or type(decoder).__name__)
     try:
@@ -183,6 +201,7 @@ def export(
         export_seconds=round(time.perf_counter() - t0, 3),
         # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
         signatures={n: program_signature(ep) for n, ep in compiled.items()},
+        device=dev.type,
     )
     return write_artifact(path, manifest, unique, files, tokenizer_json)
 

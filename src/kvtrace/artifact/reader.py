@@ -137,8 +137,10 @@ def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
     return manifest, blobs
 
 
-def load_weights(path: Path, blob: bytes, manifest: Manifest) -> dict[str, torch.Tensor]:
-    """The stored weights, checked against the manifest's weight table, plus the tied aliases."""
+def load_weights(path: Path, blob: bytes, manifest: Manifest,
+                 device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The stored weights, checked against the manifest's weight table, plus the tied aliases (the same
+    tensor under two names); moved to ``device`` once (None: kept on the CPU)."""
     from safetensors.torch import load as st_load
 
     try:
@@ -155,6 +157,8 @@ def load_weights(path: Path, blob: bytes, manifest: Manifest) -> dict[str, torch
         if list(t.shape) != meta["shape"] or str(t.dtype).removeprefix("torch.") != meta["dtype"]:
             raise ArtifactError(f"{path}: weight {name} is {describe(t)}, the manifest says {describe(meta)}; "
                                 "the artifact is inconsistent, re-export it")
+    if device is not None and device.type != "cpu":
+        weights = {name: t.to(device) for name, t in weights.items()}  # before the aliases: tied stay one tensor
     for alias, name in manifest.weight_aliases.items():
         if name not in weights or alias in weights:
             raise ArtifactError(f"{path}: weight alias {alias!r} -> {name!r} names "

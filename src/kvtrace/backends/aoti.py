@@ -8,8 +8,16 @@ input checks on, which then stay on for every call.
 
 Glue, two ways in: ``aoti_compile``/``aoti_load`` for packages this process just compiled (kvtrace.jit), via
 torch's package loader; ``load_library`` for a compiled model library taken out of an artifact: it
-dlopens the one ``.so`` through ``AOTIModelContainerRunnerCpu`` and nothing else — none of torch's
-package-loader paths that unpickle weights, constants or custom objects, and no compiler run.
+dlopens the one ``.so`` through ``AOTIModelContainerRunnerCpu`` (``...Cuda`` for a library compiled for
+CUDA) and nothing else — none of torch's package-loader paths that unpickle weights, constants or custom
+objects, and no compiler run.
+
+CUDA: programs captured on a CUDA device compile to CUDA kernels, embedded in the library
+(``aot_inductor.embed_kernel_binary``: no kernel files beside it to extract or trust); the weights are
+handed over on the device, once. A loaded program (``CompiledProgram``) can make a ``fresh()`` instance of
+itself — the same library in its own model container over the same weights — which CUDA-graph capture
+uses (``runtime.graphs``): a container records a CUDA event per run and queries it on the next, which is
+illegal on an event recorded inside a graph capture, so a captured container is never run directly again.
 """
 
 from __future__ import annotations
@@ -21,11 +29,11 @@ import functools
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvtrace._errors import ArtifactError
+from kvtrace._errors import ArtifactError, CaptureError
 from kvtrace.backends import pt2
 from kvtrace.backends.base import Backend, Program
 
@@ -35,8 +43,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.spec.manifest import Manifest
     from kvtrace.spec.program import ProgramSpec
 
-__all__ = ["AOTI", "CHECK_INPUTS_ENV", "PACKAGE", "AotiBackend", "aoti_compile", "aoti_load", "compiled_constants",
-           "load_library", "weights_of"]
+__all__ = ["AOTI", "CHECK_INPUTS_ENV", "PACKAGE", "AotiBackend", "CompiledProgram", "aoti_compile", "aoti_load",
+           "compiled_constants", "load_library", "weights_of"]
 
 PACKAGE = "programs/aoti.pt2"  # the artifact member holding the package
 
@@ -55,17 +63,18 @@ CHECK_INPUTS_ENV = "AOTI_RUNTIME_CHECK_INPUTS"
 EXPORT_NO_CACHE = {"force_disable_caches": True}
 
 
-def inductor_options(packed: bool = False, dtype: torch.dtype | None = None) -> dict[str, Any]:
+def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, device_type: str = "cpu") -> dict[str, Any]:
     """Inductor settings kvtrace compiles with (one place, reported by bench).
 
     Default: weights stay outside the .so; they are loaded from the model / artifact once.
     ``packed``: freezing — the weights are folded into the compiled library as constants, prepacked for
     the CPU matmul kernels, so one program holds its own weights and an artifact has exactly one copy.
-    In bf16/fp16 also max-autotune over Inductor's CPU GEMM templates (AMX / AVX-512 micro-kernels) and
-    ATen, per matmul: on SmolLM2 bf16 it doubles decode speed over frozen oneDNN matmuls (57-66 vs 40
+    In bf16/fp16 on CPU also max-autotune over Inductor's CPU GEMM templates (AMX / AVX-512 micro-kernels)
+    and ATen, per matmul: on SmolLM2 bf16 it doubles decode speed over frozen oneDNN matmuls (57-66 vs 40
     tokens/s) at ~4x the compile time. In fp32 the templates lose to the frozen MKL/oneDNN matmuls
     (decode 33.6 vs 37 tokens/s, prefill 137 vs 83 ms) and only cost compile time, so fp32 freezes only.
-    ``dtype`` None: float32.
+    ``dtype`` None: float32. ``device_type`` "cuda": the kernels are embedded in the library (packed CUDA
+    programs freeze only: no GPU autotuning is set up, and none is measured).
     """
     import torch
 
@@ -74,22 +83,37 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None) -> 
             "freezing": True,
             "aot_inductor.package_constants_in_so": True,
         }
-        if dtype in (torch.bfloat16, torch.float16):
+        if dtype in (torch.bfloat16, torch.float16) and device_type == "cpu":
             opts.update({
                 "max_autotune": True,
                 "max_autotune_gemm_backends": "CPP,ATEN",
                 "autotune_num_choices_displayed": 0,  # no per-matmul benchmark tables on stderr
                 "max_autotune_report_choices_stats": False,
             })
-        return opts
-    return {"aot_inductor.package_constants_in_so": False}
+    else:
+        opts = {"aot_inductor.package_constants_in_so": False}
+    if device_type == "cuda":
+        opts[_embed_kernels_option()] = True
+    return opts
 
 
-def export_options(packed: bool, dtype: torch.dtype) -> dict[str, Any]:
+def _embed_kernels_option() -> str:
+    """The Inductor option that puts a CUDA program's kernel binaries inside its library (torch renamed it)."""
+    import torch
+    import torch._inductor.config as cfg
+
+    for name in ("embed_kernel_binary", "embed_cubin"):
+        if hasattr(cfg.aot_inductor, name):
+            return f"aot_inductor.{name}"
+    raise CaptureError(f"this torch ({torch.__version__}) has no aot_inductor.embed_kernel_binary option; kvtrace "
+                       "needs it to keep CUDA kernels inside the compiled library")
+
+
+def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu") -> dict[str, Any]:
     """What an artifact's programs are compiled with: ``inductor_options`` without Inductor's caches."""
     # check_lowerbound off: export specializes sizes 0/1, so T and L get a compiled lower bound of 2 that
     # the runtime input checks (on for artifacts, see CHECK_INPUTS_ENV) would enforce on 1-token prefills.
-    return {**inductor_options(packed, dtype), **EXPORT_NO_CACHE, "aot_inductor.check_lowerbound": False}
+    return {**inductor_options(packed, dtype, device_type), **EXPORT_NO_CACHE, "aot_inductor.check_lowerbound": False}
 
 
 def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLike[str]) -> Callable[..., Any]:
@@ -125,10 +149,12 @@ def aoti_load(path: str | os.PathLike[str], weights: dict[str, torch.Tensor], mo
     return _FlatRunner(runner)
 
 
-def compiled_constants(so_path: str | os.PathLike[str]) -> dict[str, tuple[torch.dtype | None, int]]:
+def compiled_constants(so_path: str | os.PathLike[str],
+                       device: str = "cpu") -> dict[str, tuple[torch.dtype | None, int]]:
     """What a compiled model library reads besides its inputs: original FQN -> (dtype, bytes), asked of the
     library itself through AOTInductor's C ABI (interface.h), not of any file next to it. Constants folded
-    at compile time are left out (the library computes them). The dtype is None for one torch cannot name."""
+    at compile time are left out (the library computes them). The dtype is None for one torch cannot name.
+    ``device``: the device its container is created on (``"cuda:0"`` for a library compiled for CUDA)."""
     lib = ctypes.CDLL(os.fspath(so_path))
     size_t, handle = ctypes.c_size_t, ctypes.c_void_p()
 
@@ -136,7 +162,7 @@ def compiled_constants(so_path: str | os.PathLike[str]) -> dict[str, tuple[torch
         if getattr(lib, fn)(*args) != 0:
             raise RuntimeError(f"{fn} failed in {Path(so_path).name}")
 
-    call("AOTInductorModelContainerCreateWithDevice", ctypes.byref(handle), size_t(1), b"cpu", None)
+    call("AOTInductorModelContainerCreateWithDevice", ctypes.byref(handle), size_t(1), str(device).encode(), None)
     try:
         n = size_t()
         call("AOTInductorModelContainerGetNumConstants", handle, ctypes.byref(n))
@@ -167,17 +193,32 @@ def _dtype_codes() -> dict[int, torch.dtype]:
     return {getattr(shim, f"aoti_torch_dtype_{n}")(): getattr(torch, n) for n in names}
 
 
+def _runner(so_path: str | os.PathLike[str], device: torch.device) -> Any:
+    """torch's container runner for a library compiled for ``device``'s type."""
+    import torch
+
+    if device.type == "cuda":
+        cls = getattr(torch._C._aoti, "AOTIModelContainerRunnerCuda", None)
+        if cls is None:
+            raise ArtifactError(f"this torch ({torch.__version__}) was built without CUDA, so it cannot run a program "
+                                "compiled for CUDA; install a CUDA build of torch")
+        return cls(os.fspath(so_path), 1, str(device))
+    return torch._C._aoti.AOTIModelContainerRunnerCpu(os.fspath(so_path), 1)
+
+
 def load_library(so_path: str | os.PathLike[str], weights: dict[str, torch.Tensor] | None,
-                 probe: Sequence[torch.Tensor]) -> tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]]:
+                 probe: Sequence[torch.Tensor], device: torch.device | None = None
+                 ) -> tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]]:
     """Load one compiled model library; hand it ``weights`` by reference (None: its weights are frozen
     inside), then call it once on ``probe`` with the runtime input checks on (CHECK_INPUTS_ENV), which
     stay on for every later call. The caller has checked ``weights`` against ``compiled_constants``.
+    ``device``: what the library was compiled for (default CPU); weights and probe live there.
     Returns (the callable, the probe's outputs). Raises RuntimeError (the library's own message) when the
     probe's inputs are not what it was compiled for.
     """
     import torch
 
-    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(os.fspath(so_path), 1)
+    runner = _runner(so_path, device if device is not None else torch.device("cpu"))
     if weights is not None:
         names = runner.get_constant_names_to_original_fqns()  # internal name -> FQN
         runner.update_constant_buffer({n: weights[f] for n, f in names.items()}, False, True, True)
@@ -213,7 +254,29 @@ class _FlatRunner:
         return self._run(list(flat))
 
 
+class CompiledProgram:
+    """A loaded compiled program as the Session calls it: ``(*flat inputs) -> logits [B, T, V]``.
+
+    ``fresh()`` loads the same library again, into its own model container over the same weights, and
+    probes it like the first (CUDA-graph capture runs one per graph; see the module docstring)."""
+
+    def __init__(self, run: Callable[..., list[torch.Tensor]], reload: Callable[[], CompiledProgram] | None = None):
+        self._run = run
+        self._reload = reload
+
+    def __call__(self, *flat: torch.Tensor) -> torch.Tensor:
+        return self._run(*flat)[0]  # AOTInductor returns a list; a Decoder program has exactly one output
+
+    def fresh(self) -> CompiledProgram:
+        if self._reload is None:
+            raise ArtifactError("this compiled program cannot be loaded again (its library was not kept)")
+        return self._reload()
+
+
 # --- the backend ----------------------------------------------------------------------------------
+_LOADED_SUFFIXES = (".so", ".cpp", ".json")  # what kvtrace keeps of aot_compile's files (``pt2.libraries``)
+
+
 class AotiBackend(Backend):
     """One AOTInductor model per compiled program, in one package; ``packs_weights``: frozen weights."""
 
@@ -233,10 +296,13 @@ class AotiBackend(Backend):
         with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
             files = {}
             for name, ep in eps.items():
-                opts = {**export_options(self.packs_weights, dtype), "aot_inductor.package": True,
+                args = _example_args(ep)
+                device_type = args[0].device.type  # tokens: where the program was captured
+                opts = {**export_options(self.packs_weights, dtype, device_type), "aot_inductor.package": True,
                         "aot_inductor.model_name_for_generated_files": name}
                 with no_cache():
-                    files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
+                    out = torch._inductor.aot_compile(ep.module(), args, options=opts)
+                files[name] = _package_files(out)
             pkg = Path(tmp) / "aoti.pt2"
             package_aoti(str(pkg), files)
             return {PACKAGE: pkg.read_bytes()}
@@ -245,39 +311,43 @@ class AotiBackend(Backend):
         return {PACKAGE}
 
     def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor]) -> dict[str, Program]:
-        from kvtrace.spec.manifest import clip
+             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
+        import torch
 
+        device = device if device is not None else torch.device("cpu")
         compiled = self.compiled(manifest.programs)
         libraries = pt2.libraries(f"{path}: {PACKAGE}", blobs[PACKAGE], set(compiled))
         pt2.remove_stale_dirs()
-        tmp = Path(tempfile.mkdtemp(prefix=f"{pt2.TEMP_PREFIX}{os.getpid()}-"))
-        cache = manifest.cache_spec.allocate()  # one scratch cache for every probe
-        try:
-            loaded = {}
-            for name, program in compiled.items():
-                so = tmp / f"{name}.so"  # our own names: nothing from the package picks a path
-                so.write_bytes(libraries[name][".so"])
-                if ".json" in libraries[name]:  # extern kernel nodes, read by the library's proxy executor
-                    (tmp / f"{name}.json").write_bytes(libraries[name][".json"])
-                if not self.packs_weights:
-                    _check_constants(path, name, compiled_constants(so), weights)
-                try:
-                    run, out = load_library(so, None if self.packs_weights else weights,
-                                            _probe_inputs(manifest, program, cache))
-                except RuntimeError as e:
-                    raise ArtifactError(
-                        f"{path}: program {name} refuses the inputs its manifest declares ({clip(str(e), 200)}): "
-                        "the CacheSpec or program specs do not match the compiled program; the artifact is "
-                        "inconsistent, re-export it") from e
-                if len(out) != 1 or out[0].dim() != 3 or out[0].shape[-1] != manifest.vocab_size:
-                    raise ArtifactError(f"{path}: program {name} returns {[tuple(o.shape) for o in out]}, the "
-                                        f"manifest declares logits [B, T, {manifest.vocab_size}]; the artifact is "
-                                        "inconsistent, re-export it")
-                loaded[name] = _logits_only(run)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)  # the libraries stay mapped; their files are not needed
+        cache = manifest.cache_spec.allocate(device)  # one scratch cache for every probe
+        loaded = {}
+        for name, program in compiled.items():
+            if not self.packs_weights:
+                with _library_files(libraries[name], name) as so:
+                    _check_constants(path, name, compiled_constants(so, str(device)), weights)
+            loaded[name] = self._load_one(path, manifest, name, program, libraries[name], weights, device, cache)
         return self.serve(loaded, manifest)
+
+    def _load_one(self, path: Path, manifest: Manifest, name: str, program: ProgramSpec, files: dict[str, bytes],
+                  weights: dict[str, torch.Tensor], device: torch.device,
+                  cache: list[torch.Tensor] | None = None) -> CompiledProgram:
+        """Load one program's library (checked by ``load``) and probe it; ``fresh()`` does this again."""
+        from kvtrace.spec.manifest import clip
+
+        scratch = cache if cache is not None else manifest.cache_spec.allocate(device)
+        with _library_files(files, name) as so:
+            try:
+                run, out = load_library(so, None if self.packs_weights else weights,
+                                        _probe_inputs(manifest, program, scratch, device), device)
+            except RuntimeError as e:
+                raise ArtifactError(
+                    f"{path}: program {name} refuses the inputs its manifest declares ({clip(str(e), 200)}): "
+                    "the CacheSpec or program specs do not match the compiled program; the artifact is "
+                    "inconsistent, re-export it") from e
+        if len(out) != 1 or out[0].dim() != 3 or out[0].shape[-1] != manifest.vocab_size:
+            raise ArtifactError(f"{path}: program {name} returns {[tuple(o.shape) for o in out]}, the "
+                                f"manifest declares logits [B, T, {manifest.vocab_size}]; the artifact is "
+                                "inconsistent, re-export it")
+        return CompiledProgram(run, lambda: self._load_one(path, manifest, name, program, files, weights, device))
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         """Compiled program name -> callable, as ProgramSpec name -> callable (the inverse of ``compiled``)."""
@@ -288,16 +358,41 @@ AOTI = AotiBackend("aoti", "AOTInductor-compiled programs (native code), weights
                    native_code=True, no_compile_cache=True)
 
 
-def _probe_inputs(manifest: Manifest, program: ProgramSpec, cache: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One call's inputs at position 0 with T = L = 1, over ``cache`` (allocated from the CacheSpec)."""
+@contextlib.contextmanager
+def _library_files(files: dict[str, bytes], name: str) -> Iterator[Path]:
+    """One library (and its extern-kernel node file) written to a fresh temp dir under our own names — nothing
+    from the package picks a path — removed once loaded: a loaded library stays mapped without its file."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"{pt2.TEMP_PREFIX}{os.getpid()}-"))
+    try:
+        so = tmp / f"{name}.so"
+        so.write_bytes(files[".so"])
+        if ".json" in files:  # extern kernel nodes, read by the library's proxy executor
+            (tmp / f"{name}.json").write_bytes(files[".json"])
+        yield so
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _package_files(files: Any) -> list[str]:
+    """What of ``aot_compile``'s output goes into the package: the library, its sources and node files — what
+    ``pt2.libraries`` accepts. The rest is left out: kernel binaries are embedded in a CUDA library
+    (``inductor_options``), and a file the library did need would make loading fail, loudly, not wrongly."""
+    paths = [os.fspath(f) for f in (files if isinstance(files, (list, tuple)) else [files])
+             if isinstance(f, (str, os.PathLike))]
+    return [f for f in paths if f.endswith(_LOADED_SUFFIXES)]
+
+
+def _probe_inputs(manifest: Manifest, program: ProgramSpec, cache: list[torch.Tensor],
+                  device: torch.device | None = None) -> list[torch.Tensor]:
+    """One call's inputs at position 0 with T = L = 1, over ``cache`` (allocated from the CacheSpec), on ``device``."""
     import torch
 
-    spec = manifest.cache_spec
-    flat = [torch.zeros(spec.batch_size, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
+    spec, kw = manifest.cache_spec, {"dtype": torch.int64, "device": device}
+    flat = [torch.zeros(spec.batch_size, 1, **kw), torch.zeros(1, **kw)]
     if program.key_pos:
-        flat.append(torch.zeros(1, dtype=torch.int64))
+        flat.append(torch.zeros(1, **kw))
     for i in program.inputs:
-        flat.append(torch.full(i.concrete(spec.batch_size, 1), i.default or 0.0, dtype=i.torch_dtype))
+        flat.append(torch.full(i.concrete(spec.batch_size, 1), i.default or 0.0, dtype=i.torch_dtype, device=device))
     return [*flat, *cache]
 
 
@@ -321,12 +416,3 @@ def _check_constants(path: Path, name: str, table: dict[str, tuple[torch.dtype |
                 f"{path}: program {name} was compiled for weight {fqn} as {str(dtype).removeprefix('torch.')} of "
                 f"{nbytes} bytes (64-byte aligned), but weights.safetensors holds {describe(w)} ({w.nbytes} bytes); "
                 "the artifact is inconsistent, re-export it")
-
-
-def _logits_only(runner: Callable[..., list[torch.Tensor]]) -> Program:
-    """AOTInductor returns a list of outputs; a Decoder program has exactly one (logits [B, T, V])."""
-
-    def run(*flat: torch.Tensor) -> torch.Tensor:
-        return runner(*flat)[0]
-
-    return run

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Backend"]
 
 T = TypeVar("T")
-Program = Callable[..., Any]  # (tokens, input_pos, [key_pos], *inputs, *cache) -> logits [B, T, V]
+Program = Callable[..., Any]  # (tokens, input_pos, [key_pos], *inputs, *cache) -> logits [B, T, V]; maybe .fresh()
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,11 @@ class Backend:
         """Backend-specific consistency of a manifest, checked before any member is parsed."""
 
     def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor]) -> dict[str, Program]:
+             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
         """ProgramSpec name -> callable, from the (hash-checked) ``blobs`` and ``weights`` (checked against the
-        manifest's weight table). Raises ArtifactError when a program disagrees with the manifest."""
+        manifest's weight table, already on ``device``: where the programs run, of the type
+        ``manifest.device`` names; None: CPU). Raises ArtifactError when a program disagrees with the manifest.
+
+        A program may also have ``fresh()``: another instance of itself with its own runtime state over the
+        same weights (``aoti.CompiledProgram``); CUDA-graph capture takes one per graph when it exists."""
         raise NotImplementedError

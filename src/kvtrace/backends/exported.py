@@ -48,7 +48,7 @@ class ExportedBackend(Backend):
         return {_member(p) for p in programs}
 
     def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor]) -> dict[str, Program]:
+             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
         return {p: _program(path, p, blobs[_member(p)], weights, manifest) for p in manifest.programs}
 
 

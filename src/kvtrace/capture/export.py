@@ -4,7 +4,8 @@ The torch.export glue, kept thin:
   prefill = export(decoder, (tokens[B, T], input_pos[T], *cache))   T symbolic in [1, max_seq_len]
   decode  = export(decoder, (tokens[B, 1], input_pos[1], *cache))
 The cache tensors are program inputs that the programs update in place; a Session allocates them
-from the CacheSpec with their declared initial values.
+from the CacheSpec with their declared initial values. Every example input is made on the decoder's own
+device (its parameters'), so a decoder on a GPU is captured — and then compiled — for that GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kvtrace._errors import CaptureError, UsageError
 from kvtrace.capture.preserve import preserved
 from kvtrace.spec.program import LOGITS, InputSpec, ProgramSpec, program_specs
 
-__all__ = ["capture_programs", "with_prefill_logits"]
+__all__ = ["capture_programs", "device_of", "with_prefill_logits"]
 
 def capture_programs(decoder: torch.nn.Module,
                      programs: tuple[ProgramSpec, ...] | None = None) -> dict[str, torch.export.ExportedProgram]:
@@ -30,18 +31,19 @@ def capture_programs(decoder: torch.nn.Module,
     from torch.export import Dim
 
     spec = decoder.cache_spec
+    dev = device_of(decoder)
     eps = {}
     for p in programs if programs is not None else program_specs(decoder):
         # example length >= 2 keeps T symbolic; a one-slot cache has nothing to be symbolic about
         # (and Dim refuses min == max), so its prefill is T = 1.
         t = 1 if p.single_token else min(3, spec.max_seq_len)
         # key_pos [L]: an example L unequal to T (and >= 2) keeps L its own symbol
-        keys = (torch.arange(t + 2),) if p.key_pos else ()
+        keys = (torch.arange(t + 2, device=dev),) if p.key_pos else ()
         if p.key_pos and spec.max_seq_len < t + 2:
             raise CaptureError(f"program {p.name} takes key_pos, which needs max_seq_len >= {t + 2}; "
                                f"this cache holds {spec.max_seq_len}")
-        args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t), *keys,
-                *(_example_input(i, spec.batch_size, t) for i in p.inputs), *spec.allocate())
+        args = (torch.zeros(spec.batch_size, t, dtype=torch.int64, device=dev), torch.arange(t, device=dev), *keys,
+                *(_example_input(i, spec.batch_size, t, dev) for i in p.inputs), *spec.allocate(dev))
         method = _method_module(decoder, p)
         shapes = None
         if t > 1 or p.key_pos:
@@ -52,8 +54,19 @@ def capture_programs(decoder: torch.nn.Module,
     return eps
 
 
-def _example_input(i: InputSpec, batch: int, t: int) -> torch.Tensor:
-    return torch.full(i.concrete(batch, t), i.default if i.default is not None else 0.0, dtype=i.torch_dtype)
+def _example_input(i: InputSpec, batch: int, t: int, device: torch.device) -> torch.Tensor:
+    return torch.full(i.concrete(batch, t), i.default if i.default is not None else 0.0, dtype=i.torch_dtype,
+                      device=device)
+
+
+def device_of(module: torch.nn.Module) -> torch.device:
+    """The device of a module's parameters and buffers (CPU for one that has none); CaptureError when they
+    are spread over several devices (a program is compiled for one)."""
+    devices = {t.device for t in (*module.parameters(), *module.buffers())}
+    if len(devices) > 1:
+        raise CaptureError(f"{type(module).__name__} has parameters or buffers on {sorted(map(str, devices))}; "
+                           "move it to one device (e.g. .to('cuda')) before exporting")
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def _method_module(decoder: torch.nn.Module, program: ProgramSpec) -> torch.nn.Module:

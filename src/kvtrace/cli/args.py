@@ -91,3 +91,24 @@ def common(p: argparse.ArgumentParser, json_flag: bool) -> None:
     p.add_argument("--quiet", "-q", action="store_true", help="no progress or stats on stderr")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
 
+
+
+def device_type(text: str) -> str:
+    """An argparse type: cpu, cuda or cuda:N (checked against this machine where it is used)."""
+    import re
+
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def device_arg(p: argparse.ArgumentParser, default: str | None = "cpu", what: str = "") -> None:
+    """``--device {cpu,cuda,cuda:N}``: where programs are compiled for and run."""
+    p.add_argument("--device", type=device_type, default=default, metavar="{cpu,cuda,cuda:N}",
+                   help=what or "where the programs are compiled for and run (default cpu)")
+
+
+def cuda_graphs_arg(p: argparse.ArgumentParser) -> None:
+    """``--cuda-graphs``: decode replays CUDA graphs (CUDA artifacts only)."""
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="decode by replaying CUDA graphs, one per key_pos bucket (CUDA artifacts; off by default)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from kvtrace.cli.args import POSITIVE, int_list
+from kvtrace.cli.args import POSITIVE, device_arg, int_list
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -30,4 +30,8 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also measure decode speed against context position and plot it (needs matplotlib)")
+    device_arg(p, what="where every backend runs; artifacts are compiled for it (default cpu)")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="with --device cuda: also measure each aoti/exported artifact with decode replayed from CUDA "
+                        "graphs (a row '<backend>+graphs')")
     p.set_defaults(func=cmd_bench)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, kv_dtype_arg, sampling_args
+from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, kv_dtype_arg, sampling_args
 from kvtrace.cli.ui import UI
 
 
@@ -52,7 +52,7 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
             sys.stdout.flush()
 
     inputs = image_inputs(art, getattr(args, "image_features", None))
-    res = generate(art.session(), ids, max_new_tokens=min(max_new, room), sampling=sampling, inputs=inputs,
+    res = generate(art.session(cuda_graphs=getattr(args, "cuda_graphs", False)), ids, max_new_tokens=min(max_new, room), sampling=sampling, inputs=inputs,
                    eos_ids=art.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True),
                    on_text=on_text)
     if not ui.json_mode:
@@ -87,7 +87,8 @@ def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
     t0 = time.perf_counter()
     # loads (and so checks) the artifact too; a cached one that fails its integrity check is rebuilt
     built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                            progress=ui.step, load=True, notice=ui.notice, kv_dtype=args.kv_dtype)
+                            progress=ui.step, load=True, notice=ui.notice, kv_dtype=args.kv_dtype,
+                            device=args.device)
     art = built.artifact
     load_s = time.perf_counter() - t0
     ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
@@ -112,5 +113,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     kv_dtype_arg(p)
     sampling_args(p)
+    device_arg(p)
+    cuda_graphs_arg(p)
     p.set_defaults(func=cmd_generate)
 

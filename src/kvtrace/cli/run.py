@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, sampling_args
+from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, sampling_args
 from kvtrace.cli.generate import encode, generate_text, read_prompt
 from kvtrace.cli.ui import UI
 
@@ -17,7 +17,7 @@ def cmd_run(args: argparse.Namespace, ui: UI) -> int:
 
     prompt = read_prompt(args.prompt)
     with ui.step(f"loading {args.file}"):
-        art = load(args.file, expected_sha256=args.expected_sha256)
+        art = load(args.file, expected_sha256=args.expected_sha256, device=args.device)
     n_prompt = len(encode(art, prompt, args.chat))
     if args.max_len <= n_prompt:
         raise UsageError(f"--max-len {args.max_len} leaves no room after the {n_prompt}-token prompt; raise it")
@@ -40,5 +40,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="refuse the artifact unless the whole file has this SHA-256 (checked before anything in "
                         "it is read; aoti artifacts hold native code: pin the hash of one you trust)")
     sampling_args(p)
+    device_arg(p, default=None, what="where to run it: the device type it was compiled for (default), or cuda:N")
+    cuda_graphs_arg(p)
     p.set_defaults(func=cmd_run)
 

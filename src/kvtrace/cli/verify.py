@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtrace.cli.args import POSITIVE, int_in, kv_dtype_arg
+from kvtrace.cli.args import POSITIVE, device_arg, int_in, kv_dtype_arg
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -50,5 +50,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="vision decoders: cross_attention_states [1, N, dim]; every prompt runs with this image, "
                         "then again text only")
     kv_dtype_arg(p)  # for the --against exports; an --artifact's own cache is read from its manifest
+    device_arg(p, what="where eager (the reference) and every candidate run; the --against artifacts are compiled "
+                       "for it (default cpu)")
     p.set_defaults(func=cmd_verify)
 

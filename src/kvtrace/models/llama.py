@@ -316,8 +316,9 @@ def _rope_table(rotary: nn.Module, n: int, dtype: torch.dtype,
                 inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [n, D] exactly as HF's rotary embedding computes them for positions 0..n-1 (from
     ``rotary.inv_freq``, or ``inv_freq [D/2]``)."""
-    pos = torch.arange(n, dtype=torch.float32)
-    freqs = pos[:, None] * (rotary.inv_freq if inv_freq is None else inv_freq).float()[None, :]  # [n, D/2]
+    inv = (rotary.inv_freq if inv_freq is None else inv_freq).float()  # [D/2], on the model's device
+    pos = torch.arange(n, dtype=torch.float32, device=inv.device)  # computed where eager computes its RoPE
+    freqs = pos[:, None] * inv[None, :]  # [n, D/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [n, D]
     scale = getattr(rotary, "attention_scaling", 1.0)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)

@@ -166,7 +166,8 @@ class Generation:
     def _run(self, session: Session, ids: torch.Tensor, max_new: int, eos: set[int],
              inputs: Mapping[str, torch.Tensor]) -> Iterator[Chunk]:
         s, res, st = self._sampling, self.result, self.result.stats
-        gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        # sampling runs where the logits are (the session's device): only the sampled id comes back to the host
+        gen = torch.Generator(device=session.device).manual_seed(s.seed) if s.seed is not None else None
         stream = _TextStream(self._decode_text) if self._decode_text is not None else None
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -194,7 +195,7 @@ class Generation:
                 st.stop_reason = stop
                 break
             with torch.inference_mode():
-                logits = session.decode(tok)[:, -1]
+                logits = session._decode_sampled(tok)[:, -1]  # tok [1, 1] stays on the device
         st.decode_seconds = decoding + (time.perf_counter() - t1)
         st.peak_rss_mib = _peak_rss_mib()
         if self._decode_text is not None:

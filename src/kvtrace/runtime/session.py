@@ -29,6 +29,7 @@ import torch
 
 from kvtrace._errors import CacheOverflowError, UnsupportedError, UsageError
 from kvtrace.cache.kinds import kind_of
+from kvtrace.runtime.graphs import Capturer, CudaCapturer, GraphDecode, GraphStats, decode_buckets
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import InputSpec, ProgramSpec
 
@@ -66,9 +67,11 @@ class Session:
     ``UsageError`` (nothing is serialized silently; use one session per thread).
     """
 
-    def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str = "cpu",
+    def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str | torch.device = "cpu",
                  vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None,
-                 prefill_logits: str = "all", key_pos: bool = False, identity: str | None = None):
+                 prefill_logits: str = "all", key_pos: bool = False, identity: str | None = None,
+                 cuda_graphs: bool = False, capturer: Capturer | None = None,
+                 graph_buckets: Sequence[int] | None = None):
         self.spec = spec
         self.identity = identity if identity is not None else f"programs:{id(prefill):x}:{id(decode):x}"
         self._busy = threading.Lock()  # held for the duration of every call that reads or writes the cache
@@ -80,9 +83,39 @@ class Session:
         self._extra = dict(extra or {})  # name -> (spec, program), programs taking named inputs
         self._vocab = vocab_size  # when known, token ids are checked against it before a program runs
         self._device = torch.device(device)  # where the state lives, and so every tensor a program gets
-        self._state = spec.allocate(device)  # [B, H_kv, S, D] per k/v buffer, then extras
+        self._state = spec.allocate(self._device)  # [B, H_kv, S, D] per k/v buffer, then extras; never reallocated
         self._pos = 0
         self._filled: set[str] = set()  # `once` programs run since reset()
+        self._graphs = self._graph_decode(cuda_graphs, capturer, graph_buckets)
+
+    def _graph_decode(self, cuda_graphs: bool, capturer: Capturer | None,
+                      buckets: Sequence[int] | None) -> GraphDecode | None:
+        """Decode through graphs (``runtime.graphs``) when asked: CUDA graphs on a CUDA session, or the same
+        bookkeeping through ``capturer`` (e.g. ``EagerCapturer`` on CPU, to check it without a GPU)."""
+        if not cuda_graphs:
+            return None
+        if capturer is None:
+            if self._device.type != "cuda":
+                raise UsageError(f"cuda_graphs=True needs a session on a CUDA device; this one is on {self._device} "
+                                 "(load a CUDA artifact: kvtrace.load(path, device='cuda'))")
+            capturer = CudaCapturer(self._device)
+        buckets = tuple(buckets) if buckets is not None else decode_buckets(self.spec.max_seq_len)
+        if self._key_pos and (not buckets or any(not 1 <= b <= self.spec.max_seq_len for b in buckets)
+                              or max(buckets) != self.spec.max_seq_len):
+            raise UsageError(f"graph_buckets must be key_pos lengths in 1 .. max_seq_len={self.spec.max_seq_len} "
+                             f"ending at max_seq_len; got {list(buckets)}")
+        return GraphDecode(self._decode, self._state, batch=self.spec.batch_size, device=self._device,
+                           key_pos=self._key_pos, buckets=buckets, capturer=capturer)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the state lives and the programs run."""
+        return self._device
+
+    @property
+    def graphs(self) -> GraphStats | None:
+        """Graph captures and replays of decode (None without ``cuda_graphs``)."""
+        return None if self._graphs is None else self._graphs.stats
 
     @property
     def position(self) -> int:
@@ -167,10 +200,18 @@ class Session:
         if token.dim() != 2 or token.shape[1] != 1:
             raise UsageError(f"decode takes one token per row, shape [B, 1]; got {list(token.shape)}")
         with self._exclusive("decode"):
-            return self._run(self._decode, token, "decode", key_pos=self._key_pos)
+            return self._run(self._decode, token, "decode", key_pos=self._key_pos, graphs=True)
+
+    def _decode_sampled(self, token: torch.Tensor) -> torch.Tensor:
+        """``decode`` of a token sampled from this session's own logits (``runtime.generate``): ids in
+        [0, V) by construction, on the session's device, so the vocabulary check — a host round trip for a
+        device tensor — is skipped. Not for ids from anywhere else."""
+        with self._exclusive("decode"):
+            return self._run(self._decode, token, "decode", key_pos=self._key_pos, graphs=True, sampled=True)
 
     def _run(self, program: Program, tokens: torch.Tensor, what: str,
-             inputs: list[torch.Tensor] | None = None, key_pos: bool = False) -> torch.Tensor:
+             inputs: list[torch.Tensor] | None = None, key_pos: bool = False, graphs: bool = False,
+             sampled: bool = False) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise UsageError(f"{what} takes integer token ids of shape [B, T]; got {tokens.dtype} {list(tokens.shape)}")
         b, t = tokens.shape
@@ -178,8 +219,11 @@ class Session:
             raise UsageError(f"this artifact was exported for batch {self.spec.batch_size}; {what} got batch {b}")
         if t < 1:
             raise UsageError(f"{what} got 0 tokens; expected at least 1")
-        if self._vocab is not None:
-            lo, hi = int(tokens.min()), int(tokens.max())
+        if self._vocab is not None and not sampled:
+            if tokens.device.type == "cpu":
+                lo, hi = int(tokens.min()), int(tokens.max())
+            else:  # one host round trip for both bounds
+                lo, hi = torch.stack([tokens.min(), tokens.max()]).tolist()
             if lo < 0 or hi >= self._vocab:
                 bad = lo if lo < 0 else hi
                 raise UsageError(f"{what} got token id {bad}, outside the vocabulary [0, {self._vocab})")
@@ -190,10 +234,13 @@ class Session:
                 f"max_seq_len={self.spec.max_seq_len}; reset(), rewind(), or export with a larger --max-seq-len"
             )
         dev = self._device
-        input_pos = torch.arange(self._pos, end, dtype=torch.int64, device=dev)  # [T] absolute positions
-        keys = (torch.arange(end, dtype=torch.int64, device=dev),) if key_pos else ()  # [L]: the live cache prefix
         tokens = tokens.to(device=dev, dtype=torch.int64).contiguous()
-        logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *self._state)
+        if graphs and self._graphs is not None:  # static buffers, bucketed key_pos: runtime.graphs
+            logits = self._graphs(tokens, self._pos)
+        else:  # positions made on the device from host ints: kernel arguments, no copy
+            input_pos = torch.arange(self._pos, end, dtype=torch.int64, device=dev)  # [T] absolute positions
+            keys = (torch.arange(end, dtype=torch.int64, device=dev),) if key_pos else ()  # [L]: the live prefix
+            logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *self._state)
         self._pos = end
         return logits
 

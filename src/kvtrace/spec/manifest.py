@@ -21,6 +21,7 @@ import torch
 
 from kvtrace._errors import ArtifactError
 from kvtrace.spec.cache import CacheSpec
+from kvtrace.spec.device import DEVICE_TYPES
 from kvtrace.spec.program import ProgramSpec
 
 __all__ = ["FORMAT", "MANIFEST", "TOKENIZER", "VERSION", "WEIGHTS", "Manifest", "ModelInfo", "clip", "compare_inputs",
@@ -66,6 +67,9 @@ class Manifest(ModelInfo):
     # compiled/serialized program name -> flat user inputs [{"shape": [ints / symbol names], "dtype"}], in
     # call order: tokens, input_pos, (key_pos), declared inputs, cache buffers (``program_signature``)
     signatures: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    # the device type the programs were compiled for ("cpu" or "cuda", ``spec.device``); omitted when "cpu",
+    # so a CPU artifact's manifest reads as before devices were recorded
+    device: str = "cpu"
 
     @property
     def max_seq_len(self) -> int:
@@ -75,6 +79,8 @@ class Manifest(ModelInfo):
         d = asdict(self)
         d["cache_spec"] = self.cache_spec.to_dict()
         d["programs"] = {name: p.to_dict() for name, p in self.programs.items()}
+        if self.device == "cpu":
+            del d["device"]
         return json.dumps({"format": FORMAT, "version": VERSION, **d}, indent=2, sort_keys=True)
 
     @classmethod
@@ -176,6 +182,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "kvtrace_version": (lambda v: isinstance(v, str), "a string"),
     "torch_version": (lambda v: isinstance(v, str), "a string"),
     "export_seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    "device": (lambda v: isinstance(v, str) and v in DEVICE_TYPES, f"one of {list(DEVICE_TYPES)}"),
 }
 _REQUIRED = ("backend", "cache_spec", "vocab_size", "programs", "members", "weights", "signatures")
 

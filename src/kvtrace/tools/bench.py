@@ -15,6 +15,12 @@ it, a packed fp32 program decoded at 36 tokens/s against 45-46 in a fresh proces
 bench notes). The worker process loads the artifact, warms up, runs the same greedy generations and
 reports its own peak RSS. HF and jit backends run in this process (they need the model object).
 
+On a GPU (``device="cuda"``) every backend runs there, the clock reads after the device has finished
+(``sync``), and the bound uses the device's own bandwidth (``measure_bandwidth``: a device-to-device copy,
+bytes read plus written); ``cuda_graphs`` adds, per artifact backend, a row with decode replayed from CUDA
+graphs (``<backend>+graphs``, ``runtime.graphs``). A greedy step keeps the token on the device; only its id
+comes back to the host (as ``kvtrace generate`` does).
+
 The tables (rich, Markdown) and the plot of a result are in ``kvtrace.tools.bench_render``.
 """
 
@@ -40,7 +46,8 @@ import torch
 from kvtrace._errors import UsageError
 from kvtrace.tools.bench_render import COLUMNS, plot, render, render_markdown
 
-__all__ = ["COLUMNS", "BenchResult", "measure_bandwidth", "plot", "render", "render_markdown", "run_bench"]
+__all__ = ["COLUMNS", "BenchResult", "bytes_per_token", "hf_stepper", "measure", "measure_bandwidth", "plot", "render",
+           "render_markdown", "run_bench", "session_stepper", "sync"]
 
 BASELINE = "hf-eager"  # the yardstick for ratios and token identity
 
@@ -77,8 +84,18 @@ class BenchResult:
     error: str = ""
 
 
-def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
-    """Sustained read bandwidth in GB/s: best of ``reps`` full reductions over a ``mib`` MiB tensor."""
+def sync(device: torch.device | str = "cpu") -> None:
+    """Wait for the device's queued work (a GPU runs asynchronously; the CPU has none queued)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(mib: int = 512, reps: int = 5, device: torch.device | str = "cpu") -> float:
+    """Sustained memory bandwidth in GB/s. CPU: read bandwidth, best of ``reps`` full reductions over a ``mib``
+    MiB tensor. CUDA: a device-to-device copy of ``mib`` MiB (default 4 GiB there), bytes read plus written,
+    best of ``reps``, timed with CUDA events."""
+    if torch.device(device).type == "cuda":
+        return _device_copy_bandwidth(device, mib if mib != 512 else 4096, reps)
     x = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     x.sum()  # fault pages in
     best = float("inf")
@@ -87,6 +104,23 @@ def measure_bandwidth(mib: int = 512, reps: int = 5) -> float:
         x.sum()
         best = min(best, time.perf_counter() - t0)
     return x.numel() * 4 / best / 1e9
+
+
+def _device_copy_bandwidth(device: torch.device | str, mib: int, reps: int) -> float:
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    n = 2 * src.numel() * 4  # read + written
+    del src, dst
+    return n / best / 1e9
 
 
 def _rss_mib() -> float:
@@ -108,17 +142,31 @@ class _Stepper:
     def __init__(self, prefill: Callable[[torch.Tensor], torch.Tensor],
                  decode: Callable[[torch.Tensor], torch.Tensor], reset: Callable[[], None],
                  recompiles: Callable[[], int] = lambda: 0, artifact: Path | None = None,
-                 workdir: Any = None):
+                 workdir: Any = None, device: torch.device | str = "cpu"):
         self.prefill, self.decode, self.reset = prefill, decode, reset
         self.recompiles = recompiles
         self.artifact = artifact
         self.workdir = workdir  # a TemporaryDirectory holding a freshly exported artifact, or None
+        self.device = torch.device(device)  # where it runs: the clock waits for it (``sync``)
 
     def close(self) -> None:
         """Delete a freshly exported artifact (hundreds of MiB) once its numbers are taken."""
         if self.workdir is not None:
             self.workdir.cleanup()
             self.workdir = None
+
+
+def session_stepper(session: Any, artifact: Path | None = None, workdir: Any = None) -> _Stepper:
+    """A kvtrace Session as bench runs it: a greedy step feeds the sampled token back on the device."""
+    return _Stepper(session.prefill, session._decode_sampled, session.reset, artifact=artifact, workdir=workdir,
+                    device=session.device)
+
+
+def hf_stepper(model: torch.nn.Module, call: Callable[..., Any] | None = None,
+               static_len: int | None = None) -> _Stepper:
+    """An HF causal LM (or ``call``, e.g. its compiled form) stepped with a DynamicCache, or a StaticCache of
+    ``static_len`` slots; on the model's device."""
+    return _hf_stepper(model, call if call is not None else model, static_len)
 
 
 def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: int | None) -> _Stepper:
@@ -128,6 +176,7 @@ def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: in
 
     st: dict[str, Any] = {}
     cache_kw = cache_kwarg_name(model)  # transformers 5 spells it cache=; past_key_values= is deprecated
+    device = next(model.parameters()).device
 
     def reset() -> None:
         st["cache"] = StaticCache(config=model.config, max_cache_len=static_len) if static_len else DynamicCache()
@@ -135,7 +184,8 @@ def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: in
 
     def step(ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
-        pos = torch.arange(st["pos"], st["pos"] + t).unsqueeze(0)
+        ids = ids.to(device)
+        pos = torch.arange(st["pos"], st["pos"] + t, device=device).unsqueeze(0)
         # logits_to_keep=1: the last position's logits only, as HF generate computes them
         out = call(input_ids=ids, position_ids=pos, **{cache_kw: st["cache"]}, use_cache=True, return_dict=True,
                    logits_to_keep=1)
@@ -143,7 +193,7 @@ def _hf_stepper(model: torch.nn.Module, call: Callable[..., Any], static_len: in
         return out.logits
 
     reset()
-    return _Stepper(step, step, reset)
+    return _Stepper(step, step, reset, device=device)
 
 
 def _in_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -183,47 +233,64 @@ IN_PROCESS: dict[str, Callable[[torch.nn.Module, int], _Stepper]] = {
 
 
 def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str,
-          load_session: bool = True) -> _Stepper:
-    """The backend ready to run; for artifact backends with ``load_session=False``, only the built file."""
+          load_session: bool = True, device: torch.device | None = None, cuda_graphs: bool = False,
+          artifact: Path | None = None) -> _Stepper:
+    """The backend ready to run; for artifact backends with ``load_session=False``, only the built file.
+    ``cuda_graphs``: the artifact's session decodes from CUDA graphs; ``artifact``: one already built."""
     if backend in IN_PROCESS:
         return IN_PROCESS[backend](model, max_seq_len)
+    device = device if device is not None else torch.device("cpu")
     from kvtrace.artifact.archive import load
     from kvtrace.artifact.export import export
 
     workdir = None
-    if source is None:
+    if artifact is not None:
+        path = artifact
+    elif source is None:
         import tempfile
 
         workdir = tempfile.TemporaryDirectory(prefix="kvtrace-bench-")
         path = Path(workdir.name) / f"{backend}.kvt"
-        export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last")
+        export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last",
+               device=device)
     else:
         from kvtrace.artifact.store import cached_artifact
 
         # load=True: a cached entry that fails its integrity check is rebuilt, as for generate
-        path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True).path
+        path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True,
+                               device=device.type).path
     if not load_session:
         def unloaded(*_: Any) -> Any:
             raise RuntimeError("this artifact is measured in another process")
 
-        return _Stepper(unloaded, unloaded, unloaded, artifact=path, workdir=workdir)
-    sess = load(path).session()
-    return _Stepper(sess.prefill, sess.decode, sess.reset, artifact=path, workdir=workdir)
+        return _Stepper(unloaded, unloaded, unloaded, artifact=path, workdir=workdir, device=device)
+    sess = load(path, device=device).session(cuda_graphs=cuda_graphs)
+    return session_stepper(sess, artifact=path, workdir=workdir)
 
 
 def _generate(s: _Stepper, ids: torch.Tensor, n: int) -> tuple[float, float, list[int]]:
-    """Greedy: (prefill seconds, decode tokens/s, new tokens)."""
+    """Greedy: (prefill seconds, decode tokens/s, new tokens). Each token's id comes back to the host, as in a
+    generation (its stop check); on a GPU the clock reads after the device has finished."""
     s.reset()
+    sync(s.device)
     t0 = time.perf_counter()
     logits = s.prefill(ids)
+    tok = logits[:, -1:].argmax(-1)  # [B, 1] on the device
+    toks = [int(tok)]  # waits for prefill
     t1 = time.perf_counter()
-    tok = logits[:, -1:].argmax(-1)
-    toks = [int(tok)]
     for _ in range(n - 1):
         tok = s.decode(tok)[:, -1:].argmax(-1)
         toks.append(int(tok))
+    sync(s.device)
     t2 = time.perf_counter()
     return t1 - t0, (n - 1) / max(t2 - t1, 1e-9), toks
+
+
+def measure(s: _Stepper, ids: torch.Tensor, new_tokens: int, runs: int, vocab: int = 0,
+            sweep: tuple[int, ...] = ()) -> dict[str, Any]:
+    """Warm up, then ``runs`` greedy generations of ``new_tokens`` after ``ids`` [1, T]: prefill seconds, decode
+    tokens/s per run, the last run's tokens, peak RSS (and the position sweep, when asked)."""
+    return _measure(s, ids, new_tokens, runs, vocab, sweep)
 
 
 def _measure(s: _Stepper, ids: torch.Tensor, new_tokens: int, runs: int, vocab: int,
@@ -247,8 +314,8 @@ def _worker_main() -> None:
     torch.set_num_threads(job["threads"])
     with torch.inference_mode():
         t0 = time.perf_counter()
-        sess = load(job["artifact"]).session()
-        s = _Stepper(sess.prefill, sess.decode, sess.reset)
+        sess = load(job["artifact"], device=job.get("device")).session(cuda_graphs=job.get("cuda_graphs", False))
+        s = session_stepper(sess)
         load_s = time.perf_counter() - t0
         res = _measure(s, torch.tensor(job["ids"]), job["new_tokens"], job["runs"], job["vocab"],
                        tuple(job["sweep"]))
@@ -257,12 +324,14 @@ def _worker_main() -> None:
 
 
 def _measure_fresh(artifact: Path, ids: torch.Tensor, new_tokens: int, runs: int, vocab: int,
-                   sweep: tuple[int, ...], threads: int) -> dict[str, Any]:
+                   sweep: tuple[int, ...], threads: int, device: torch.device | None = None,
+                   cuda_graphs: bool = False) -> dict[str, Any]:
     """``_measure`` of an artifact's Session in a new Python process (nothing compiled in it before)."""
     with tempfile.TemporaryDirectory(prefix="kvtrace-bench-job-") as d:
         job, out = Path(d) / "job.json", Path(d) / "out.json"
         job.write_text(json.dumps({"artifact": str(artifact), "ids": ids.tolist(), "new_tokens": new_tokens,
-                                   "runs": runs, "vocab": vocab, "sweep": list(sweep), "threads": threads}))
+                                   "runs": runs, "vocab": vocab, "sweep": list(sweep), "threads": threads,
+                                   "device": None if device is None else str(device), "cuda_graphs": cuda_graphs}))
         proc = subprocess.run(
             [sys.executable, "-c", "from kvtrace.tools.bench import _worker_main; _worker_main()", str(job), str(out)],
             capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
@@ -286,9 +355,12 @@ def _position_sweep(s: _Stepper, vocab: int, positions: tuple[int, ...], n: int 
         ids = _random_ids(vocab, pos, seed=pos)
         s.reset()
         tok = s.prefill(ids)[:, -1:].argmax(-1)
+        sync(s.device)
         t0 = time.perf_counter()
         for _ in range(n):
             tok = s.decode(tok)[:, -1:].argmax(-1)
+            int(tok)  # the id comes back to the host every step, as in a generation
+        sync(s.device)
         out.append((pos, round(n / (time.perf_counter() - t0), 2)))
     return out
 
@@ -298,6 +370,11 @@ def sweep_positions(max_seq_len: int, n: int = 16) -> tuple[int, ...]:
     last = max_seq_len - n
     pos = [p for p in (32, 64, 128, 256, 512, 1024, 2048, 4096) if p < last]
     return (*pos, last) if last >= 32 else tuple(pos)
+
+
+def bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
+    """What one decode step must read at context ``ctx``: every weight once plus the live K/V."""
+    return _bytes_per_token(model, ctx)
 
 
 def _bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
@@ -328,23 +405,33 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
               backends: tuple[str, ...] = ("hf-eager", "exported", "aoti"), prompt_lens: tuple[int, ...] = (37,),
               new_tokens: int = 128, dtypes: tuple[str, ...] = ("float32",), runs: int = 3,
               max_seq_len: int = 1024, threads: int | None = None, sweep: bool = False,
-              fresh_process: bool = True,
+              fresh_process: bool = True, device: str | torch.device = "cpu", cuda_graphs: bool = False,
               progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
     """Run every (dtype, prompt length, backend) and return a JSON-able dict with a ``results`` list.
 
     ``fresh_process``: measure artifact backends in a new process (see the module docstring).
+    ``device``: where every backend runs (the model is moved there on a copy; artifacts are compiled for it).
+    ``cuda_graphs``: each artifact backend is measured again with decode replayed from CUDA graphs, from the
+    same artifact (rows ``<backend>+graphs``).
     """
     from kvtrace.artifact.export import DTYPES
+    from kvtrace.spec.device import check_available, concrete
+    from kvtrace.spec.device import resolve as resolve_device
 
     known = (*IN_PROCESS, *_artifact_backends())
     bad = sorted(set(backends) - set(known))
     if bad:
         raise UsageError(f"unknown backends {bad}; choose from {list(known)}")
+    dev = resolve_device(device, what="bench device")
+    check_available(dev, f"bench --device {dev}")
+    dev = concrete(dev)
+    if cuda_graphs and dev.type != "cuda":
+        raise UsageError(f"--cuda-graphs needs --device cuda; this bench runs on {dev}")
     if BASELINE not in backends:
         backends = (BASELINE, *backends)
     results: list[BenchResult] = []
     with _threads(threads), torch.inference_mode():
-        bw = measure_bandwidth()
+        bw = measure_bandwidth(device=dev)
         for dtype in dtypes:
             if dtype not in DTYPES:
                 raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
@@ -352,9 +439,9 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
             if model is None:
                 from kvtrace.sources.load import load_model
 
-                m = load_model(model_source, dtype=DTYPES[dtype]).model
+                m = load_model(model_source, dtype=DTYPES[dtype]).model.to(dev)
             else:
-                m = _in_dtype(model, DTYPES[dtype])
+                m = _on(model, DTYPES[dtype], dev)
             load_s = time.perf_counter() - t0
             for plen in prompt_lens:
                 if plen + new_tokens > max_seq_len:
@@ -362,53 +449,52 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                 ids = _random_ids(m.config.vocab_size, plen, seed=0)
                 ref_tokens: list[int] | None = None
                 for b in backends:
-                    r = BenchResult(b, dtype, plen, new_tokens, load_s=round(load_s, 2))
                     gc.collect()
                     _reset_peak_rss()
                     s = None
                     fresh = fresh_process and b in _artifact_backends()
+                    graph_rows = (False, True) if cuda_graphs and b in _artifact_backends() else (False,)
                     positions = sweep_positions(max_seq_len) if sweep else ()
                     try:
                         with progress(f"{b} {dtype} prompt {plen}: build"):
                             t0 = time.perf_counter()
                             s = _make(b, m, model_source if model is None else None, max_seq_len, dtype,
-                                      load_session=not fresh)
+                                      load_session=not fresh, device=dev)
                             build_s = time.perf_counter() - t0
-                        where = "a fresh process" if fresh else "this process"
-                        with progress(f"{b} {dtype} prompt {plen}: {runs} runs x {new_tokens} tokens in {where}"):
-                            if fresh:
-                                got = _measure_fresh(s.artifact, ids, new_tokens, runs, m.config.vocab_size,
-                                                     positions, torch.get_num_threads())
-                                r.measured_in = "fresh process"
-                            else:
-                                got = _measure(s, ids, new_tokens, runs, m.config.vocab_size, positions)
-                        r.compile_s = round(build_s + got["warm_s"], 2)
                     except Exception as e:  # one backend failing must not hide the others' numbers
-                        r.error = f"{type(e).__name__}: {e}"[:300]
-                        results.append(r)
-                        if s is not None:
-                            s.close()
+                        for graphs in graph_rows:
+                            results.append(BenchResult(b + ("+graphs" if graphs else ""), dtype, plen, new_tokens,
+                                                       load_s=round(load_s, 2), error=f"{type(e).__name__}: {e}"[:300]))
                         continue
-                    pre = [x * 1e3 for x in got["prefill_s"]]
-                    dec = got["decode_tok_s"]
-                    r.prefill_ms, r.prefill_ms_range = statistics.median(pre), (min(pre), max(pre))
-                    r.decode_tok_s, r.decode_tok_s_range = statistics.median(dec), (min(dec), max(dec))
-                    r.tokens = got["tokens"]
-                    r.peak_rss_mib = got["peak_rss_mib"] if fresh else round(_rss_mib(), 1)
-                    r.position_sweep = [tuple(x) for x in got["position_sweep"]]
-                    r.recompiles = s.recompiles()
-                    if s.artifact is not None:
-                        r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
+                    for graphs in graph_rows:
+                        r = BenchResult(b + ("+graphs" if graphs else ""), dtype, plen, new_tokens,
+                                        load_s=round(load_s, 2))
+                        where = "a fresh process" if fresh else "this process"
+                        try:
+                            with progress(f"{r.backend} {dtype} prompt {plen}: {runs} runs x {new_tokens} tokens in "
+                                          f"{where}"):
+                                if fresh:
+                                    got = _measure_fresh(s.artifact, ids, new_tokens, runs, m.config.vocab_size,
+                                                         positions, torch.get_num_threads(), dev, graphs)
+                                    r.measured_in = "fresh process"
+                                else:
+                                    step = s if not graphs else _make(b, m, None, max_seq_len, dtype, device=dev,
+                                                                      cuda_graphs=True, artifact=s.artifact)
+                                    got = _measure(step, ids, new_tokens, runs, m.config.vocab_size, positions)
+                            r.compile_s = round(build_s + got["warm_s"], 2)
+                        except Exception as e:
+                            r.error = f"{type(e).__name__}: {e}"[:300]
+                            results.append(r)
+                            continue
+                        _fill(r, got, fresh, s, m, bw, plen)
+                        if b == BASELINE:
+                            ref_tokens = r.tokens
+                        if ref_tokens is not None:
+                            mism = [i for i, (a, c) in enumerate(zip(r.tokens, ref_tokens, strict=False)) if a != c]
+                            r.tokens_match_eager = not mism
+                            r.first_mismatch = mism[0] if mism else None
+                        results.append(r)
                     s.close()
-                    if b == BASELINE:
-                        ref_tokens = r.tokens
-                    if ref_tokens is not None:
-                        mism = [i for i, (a, c) in enumerate(zip(r.tokens, ref_tokens, strict=False)) if a != c]
-                        r.tokens_match_eager = not mism
-                        r.first_mismatch = mism[0] if mism else None
-                    per_tok = _bytes_per_token(m, plen + new_tokens // 2)
-                    r.bound_fraction = round(r.decode_tok_s * per_tok / (bw * 1e9), 3)
-                    results.append(r)
                 eager = next((x for x in results if x.backend == BASELINE and x.dtype == dtype
                               and x.prompt_len == plen and not x.error), None)
                 for x in results:
@@ -418,8 +504,34 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
         "bandwidth_gb_s": round(bw, 2),
         "threads": threads or torch.get_num_threads(),
         "torch": torch.__version__,
+        "device": str(dev),
         "results": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in results],
     }
+
+
+def _fill(r: BenchResult, got: dict[str, Any], fresh: bool, s: _Stepper, m: torch.nn.Module, bw: float,
+          plen: int) -> None:
+    """A measured row's numbers (``got`` from ``_measure``) and its fraction of the bandwidth bound."""
+    pre = [x * 1e3 for x in got["prefill_s"]]
+    dec = got["decode_tok_s"]
+    r.prefill_ms, r.prefill_ms_range = statistics.median(pre), (min(pre), max(pre))
+    r.decode_tok_s, r.decode_tok_s_range = statistics.median(dec), (min(dec), max(dec))
+    r.tokens = got["tokens"]
+    r.peak_rss_mib = got["peak_rss_mib"] if fresh else round(_rss_mib(), 1)
+    r.position_sweep = [tuple(x) for x in got["position_sweep"]]
+    r.recompiles = s.recompiles()
+    if s.artifact is not None:
+        r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
+    per_tok = _bytes_per_token(m, plen + r.new_tokens // 2)
+    r.bound_fraction = round(r.decode_tok_s * per_tok / (bw * 1e9), 3)
+
+
+def _on(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """``model`` in ``dtype`` on ``device``, converted on a copy when it is not (the caller's stays as it is)."""
+    m = _in_dtype(model, dtype)
+    if next(m.parameters()).device == device:
+        return m
+    return (copy.deepcopy(m) if m is model else m).to(device)
 
 
 def run_cli_bench(args: Any, ui: Any) -> int:
@@ -433,6 +545,8 @@ def run_cli_bench(args: Any, ui: Any) -> int:
         max_seq_len=args.max_seq_len,
         threads=args.threads,
         sweep=args.plot is not None,
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
         progress=ui.step,
     )
     if args.plot:

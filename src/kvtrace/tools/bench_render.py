@@ -34,6 +34,9 @@ def _rows(data: dict[str, Any]) -> list[tuple[list[str], str]]:
 
 
 def _title(data: dict[str, Any]) -> str:
+    device = data.get("device", "cpu")
+    if device.startswith("cuda"):
+        return f"kvtrace bench on {device} (device-copy bandwidth {data['bandwidth_gb_s']} GB/s, read + written)"
     return f"kvtrace bench (read bandwidth {data['bandwidth_gb_s']} GB/s, {data['threads']} threads)"
 
 

@@ -74,6 +74,9 @@ class EagerRunner:
     def _step(self, tokens: torch.Tensor, cross: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         from kvtrace.models.mllama import hf_cross_kwargs
 
+        dev = next(self.model.parameters()).device  # a model on a GPU gets its inputs there
+        tokens = tokens.to(dev)
+        cross = {k: v.to(dev) for k, v in cross.items()} if cross else cross
         new = torch.ones_like(tokens)
         self._mask = new if self._mask is None else torch.cat([self._mask, new], dim=1)
         kwargs: dict[str, Any] = {}
@@ -81,7 +84,7 @@ class EagerRunner:
             states = cross["cross_attention_states"]
             m = cross.get("cross_attention_mask")
             if m is None:
-                m = torch.ones(tokens.shape[0], tokens.shape[1], states.shape[1])
+                m = torch.ones(tokens.shape[0], tokens.shape[1], states.shape[1], device=dev)
             kwargs = {"cross_attention_states": states, **hf_cross_kwargs(m, states.dtype)}
             self._cross_row = m[:, -1:]
         elif self._cross_row is not None:
@@ -166,7 +169,8 @@ class DecoderRunner(SessionRunner):
         if progs["prefill"].key_pos != progs["decode"].key_pos:
             raise ValueError(f"{type(decoder).__name__}: prefill and decode must agree on key_pos to run in a Session")
         self.decoder = decoder
-        super().__init__(Session(decoder.cache_spec, prefill, decode, key_pos=progs["prefill"].key_pos,
+        device = next(decoder.parameters()).device  # the state goes where the decoder's weights are
+        super().__init__(Session(decoder.cache_spec, prefill, decode, device=device, key_pos=progs["prefill"].key_pos,
                                  identity=f"eager:{type(decoder).__name__}"), name)
 
 

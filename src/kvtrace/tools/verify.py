@@ -387,9 +387,16 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
     for f in args.artifact:
         if not Path(f).is_file():
             raise UsageError(f"--artifact {f} does not exist; expected a file written by `kvtrace export`")
+    from kvtrace.spec.device import check_available, concrete
+    from kvtrace.spec.device import resolve as resolve_device
+
     dtype = DTYPES[args.dtype]
+    device = resolve_device(getattr(args, "device", None), what="--device")
+    check_available(device, f"verify --device {device}")
+    device = concrete(device)
     with step(f"loading {args.source}"):
         lm = load_model(args.source, dtype=dtype)
+        lm.model.to(device)  # our own copy: eager, jit and every export run on the device
     tok = lm.tokenizer
     ids = [encode_prompt(tok, text, chat=args.chat, template=lm.chat_template, bos_id=lm.bos_id, eos_ids=lm.eos_ids,
                          require_template=False) for text in _prompts(args)]
@@ -409,7 +416,7 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
             raise UsageError(f"--image-features {args.image_features} needs a tensor named cross_attention_states "
                              "of shape [1, N, dim]")
         image_tokens = states.shape[1]
-        prompts = [Prompt(i, {"cross_attention_states": states.to(dtype)}) for i in ids] + prompts
+        prompts = [Prompt(i, {"cross_attention_states": states.to(device=device, dtype=dtype)}) for i in ids] + prompts
     cands: list[Runner] = []
     with tempfile.TemporaryDirectory(prefix="kvtrace-verify-") as tmp:
         for a in against:
@@ -419,13 +426,14 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
                 try:
                     with step(f"exporting ({a})"):
                         path = export(lm.model, Path(tmp) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
-                                      backend=a, image_tokens=image_tokens, kv_dtype=getattr(args, "kv_dtype", None))
-                    cands.append(SessionRunner(load(path).session(), a))
+                                      backend=a, image_tokens=image_tokens, kv_dtype=getattr(args, "kv_dtype", None),
+                                      device=device)
+                    cands.append(SessionRunner(load(path, device=device).session(), a))
                 except Exception as e:  # reported in the table; the other candidates still run
                     cands.append(Unavailable(a, f"export ({a}) {_describe(e)}"))
         for f in args.artifact:
             try:
-                cands.append(SessionRunner(load(f).session(), Path(f).name))
+                cands.append(SessionRunner(load(f, device=device).session(), Path(f).name))
             except Exception as e:
                 cands.append(Unavailable(Path(f).name, f"loading {f} {_describe(e)}"))
         with step(f"verifying {len(cands)} candidate(s) on {len(prompts)} prompts x (prefill + {args.steps} steps)"):

@@ -38,6 +38,7 @@ def decoder_reference(model: torch.nn.Module, spec: CacheSpec, name: str | None 
     if any(p.dtype != spec.torch_dtype for p in model.parameters() if p.is_floating_point()):
         model = copy.deepcopy(model).to(spec.torch_dtype)  # the caller's model stays as it is
     decoder = make_decoder(model, max_seq_len=spec.max_seq_len, batch_size=spec.batch_size, kv_dtype=spec.kv_dtype)
+    decoder = decoder.to(next(model.parameters()).device)  # where the model (and so the candidates) run
     if decoder.cache_spec != spec:
         raise UsageError(f"this model's {spec.kv_dtype} decoder declares the cache {decoder.cache_spec.describe()}, the "
                          f"candidate {spec.describe()}; verify the artifact against the model it was exported from")
