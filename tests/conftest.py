@@ -41,6 +41,17 @@ FAMILY_ARCHS = {
 }
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run only where torch sees a GPU; elsewhere they are skipped, saying why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
+                                   "(bench/gpu.sh runs the GPU checks on one)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 def tiny_model(arch: str = "llama", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A tiny random-weight causal LM of the given HF architecture, eval mode, no grads."""
     import transformers as tf

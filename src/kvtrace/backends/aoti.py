@@ -52,6 +52,10 @@ PACKAGE = "programs/aoti.pt2"  # the artifact member holding the package
 # against what it was compiled for, and raises instead of reading out of bounds, when this variable is set
 # at the library's *first* call (it is read once per library). load_library's probe call latches it on.
 CHECK_INPUTS_ENV = "AOTI_RUNTIME_CHECK_INPUTS"
+# "0": a CUDA program's kernel binaries stay beside its library instead of inside it. They are then not in the
+# artifact: the library loads them from where this process compiled them, so such an artifact runs only on this
+# machine while Inductor's output folder exists — a fallback for measuring on a torch whose embedding fails.
+EMBED_KERNELS_ENV = "KVTRACE_AOTI_EMBED_KERNELS"
 
 
 # Artifact compiles never come from Inductor's compile caches. Two cache hits returned programs built for
@@ -92,7 +96,7 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
             })
     else:
         opts = {"aot_inductor.package_constants_in_so": False}
-    if device_type == "cuda":
+    if device_type == "cuda" and os.environ.get(EMBED_KERNELS_ENV, "1") != "0":
         opts[_embed_kernels_option()] = True
     return opts
 
