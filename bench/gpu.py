@@ -181,7 +181,7 @@ def verify(args: argparse.Namespace, model: torch.nn.Module, art: Any, graphs: b
     del fp32
     gc.collect()
     if log.out is not None:
-        (log.out / f"verify-{name}.json").write_text(report.to_json())
+        (log.out / f"verify-{name.replace('+', '-')}.json").write_text(report.to_json())  # names: [A-Za-z0-9._-]
     s = report.summary()[0]
     log.emit(phase="verify", candidate=name, result=s["result"], steps=s["steps"], prompts=len(prompts),
              logits_max_abs=s["logits_max_abs"], logits_worst_step=s["logits_worst_step"],

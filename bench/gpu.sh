@@ -18,4 +18,13 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem --format=csv \
   >"$OUT/nvidia-smi.txt" 2>&1 || true
 "$PY" bench/gpu.py --device cuda --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu.log"
-exit "${PIPESTATUS[0]}"
+status=${PIPESTATUS[0]}
+# GPU_PYTEST=1: also the test suite's GPU tests (tiny models; a few AOTInductor compiles), log in $OUT/pytest.log
+if [ "${GPU_PYTEST:-0}" = 1 ]; then
+  "$PY" -m pytest -q -p no:cacheprovider -m cuda -rs tests/runtime/test_graphs.py tests/artifact/test_artifact_device.py \
+    tests/runtime/test_jit_cuda.py >"$OUT/pytest.log" 2>&1
+  pytest_status=$?
+  tail -3 "$OUT/pytest.log"
+  [ "$status" = 0 ] && status=$pytest_status
+fi
+exit "$status"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 import transformers as tf
@@ -45,6 +44,8 @@ def write_gguf(
     """A tiny random GGUF labelled ``arch`` holding the tensors of architecture ``tensors`` (default:
     ``arch``), complete enough for transformers to load. ``padding``: bytes of a description written
     before the chat template (pushes it deep into the metadata); ``raw``: extra tensors {name: array}."""
+    import gguf  # here, not at import: the GPU machine's image has no gguf and its tests need none
+
     rng = np.random.default_rng(0)
     heads, kv_heads, inter = 4, 2, 128
     tensors = tensors or arch

@@ -20,7 +20,9 @@ one dlopens a shared library from the file, so load only artifacts you built or 
 the .pt2's members are checked against what kvtrace writes (no pickled weights, constants, custom objects
 or exported programs, which torch's package loader would unpickle) and the one library is loaded directly.
 
-What ``load`` checks before the first program call, each failure one ``ArtifactError``:
+What ``load`` checks before the first program call, each failure one ``ArtifactError`` (or ``UsageError``):
+  * the device: the manifest's (``cpu`` or ``cuda``) against the one asked for and this machine's (a CUDA
+    artifact without a GPU: one line, before any weight or library is read);
   * the zip directory: only the members the manifest lists (unknown ones refused), each of the declared
     size, under a ceiling and a compression-ratio bound, read through a bounded stream (no zip bomb);
   * the SHA-256 of every member (recorded at export) before the member is used;

@@ -76,6 +76,8 @@ class CudaCapturer:
         with torch.cuda.stream(self.stream):
             out = fn()
         current.wait_stream(self.stream)
+        if isinstance(out, torch.Tensor):
+            out.record_stream(current)  # made on the side stream, used (and freed) on the caller's
         return out
 
     def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:

@@ -6,7 +6,12 @@ prefix only); the Session itself keeps a host-side int so it can refuse to run p
 *before* touching the cache. Extra programs (e.g. a vision decoder's ``prefill_image``) are picked
 by the named inputs given to ``prefill`` and checked against their declared ``InputSpec`` first.
 
+On a GPU (``device``) the state lives there and positions are made there (kernel arguments, no copy);
+``cuda_graphs=True`` serves decode from CUDA graphs over the same state (``runtime.graphs``).
+
 Invariants:
+- the state tensors are allocated once and only ever updated in place (programs, reset, restore), so a CUDA
+  graph captured over them stays valid;
 - every public call validates its arguments before the cache is touched: a refused call leaves the
   position, the state and the ``once`` programs run exactly as they were;
 - a ``Snapshot`` carries the identity of the artifact (or program pair) it was taken from and is

@@ -6,7 +6,8 @@ what each captured program takes and returns), ``decoder`` (the Decoder protocol
 builds: ``cache_spec`` + ``forward(tokens, input_pos, *cache) -> logits``), ``config`` (reading HF
 config objects: head_dim, KV heads, RoPE type, max positions, sliding window, layer types),
 ``manifest`` (Manifest, ModelInfo: an artifact's versioned JSON root, its field checks, and the inputs
-it says each program takes), ``tolerances`` (per-dtype verify tolerances, and the int8 cache's one-step ``kv_tolerance``, in one place).
+it says each program takes), ``device`` (cpu / cuda: naming a device, the one-line refusal of a GPU that is
+not there), ``tolerances`` (per-dtype verify tolerances, and the int8 cache's one-step ``kv_tolerance``, in one place).
 
 Layer 1 of the flow: imports nothing from kvtrace but ``kvtrace._errors``.
 """
