@@ -117,3 +117,18 @@ def test_export_for_cuda_runs_on_the_gpu_and_verifies_against_eager(backend, tmp
     assert report.passed, report.summary()
     res = kvtrace.generate(art.session(), [5, 17, 42], max_new_tokens=8)
     assert len(res.tokens) == 8
+
+
+def test_cuda_graphs_on_a_cpu_artifact_is_one_clear_line(cpu_art, capsys):
+    with pytest.raises(UsageError, match="cuda_graphs=True needs a session on a CUDA device"):
+        kvtrace.load(cpu_art).session(cuda_graphs=True)
+    assert main(["run", str(cpu_art), "--prompt", "hi", "--cuda-graphs", "--raw", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--cuda-graphs needs an artifact running on a CUDA device" in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_with_cuda_graphs_needs_a_cuda_device():
+    from kvtrace.tools.bench import run_bench
+
+    with pytest.raises(UsageError, match="--cuda-graphs needs --device cuda"):
+        run_bench(model=tiny_model("llama"), backends=("hf-eager",), cuda_graphs=True)

@@ -33,6 +33,13 @@ def encode(art: Any, text: str, chat: bool) -> list[int]:
     return encode_prompt(tok, text, chat=chat, template=m.chat_template, bos_id=m.bos_id, eos_ids=m.eos_ids)
 
 
+def check_cuda_graphs(art: Any, args: argparse.Namespace) -> None:
+    """--cuda-graphs on an artifact that runs on the CPU: refused before any prompt is read or encoded."""
+    if getattr(args, "cuda_graphs", False) and art.device.type != "cuda":
+        raise UsageError(f"--cuda-graphs needs an artifact running on a CUDA device; {art.path.name} runs on "
+                         f"{art.device} (export it with --device cuda, or drop --cuda-graphs)")
+
+
 def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_new: int) -> dict[str, Any]:
     from kvtrace.runtime.generate import Sampling, generate
 
@@ -90,6 +97,7 @@ def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
                             progress=ui.step, load=True, notice=ui.notice, kv_dtype=args.kv_dtype,
                             device=args.device)
     art = built.artifact
+    check_cuda_graphs(art, args)
     load_s = time.perf_counter() - t0
     ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
     out = generate_text(ui, art, prompt, args, args.max_new_tokens)

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from kvtrace._errors import UsageError
 from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, sampling_args
-from kvtrace.cli.generate import encode, generate_text, read_prompt
+from kvtrace.cli.generate import check_cuda_graphs, encode, generate_text, read_prompt
 from kvtrace.cli.ui import UI
 
 
@@ -18,6 +18,7 @@ def cmd_run(args: argparse.Namespace, ui: UI) -> int:
     prompt = read_prompt(args.prompt)
     with ui.step(f"loading {args.file}"):
         art = load(args.file, expected_sha256=args.expected_sha256, device=args.device)
+    check_cuda_graphs(art, args)
     n_prompt = len(encode(art, prompt, args.chat))
     if args.max_len <= n_prompt:
         raise UsageError(f"--max-len {args.max_len} leaves no room after the {n_prompt}-token prompt; raise it")
