@@ -90,7 +90,8 @@ class Artifact:
         programs and weights live there, so another is a UsageError (``kvtrace.load(path, device=...)``
         picks it). ``cuda_graphs``: decode replays CUDA graphs (``runtime.graphs``; CUDA artifacts only), or with
         ``capturer`` the same bookkeeping through it (``EagerCapturer``: no graphs, on any device)."""
-        if device is not None and concrete(resolve_device(device, what="session device")) != self.device:
+        want = resolve_device(device, default=str(self.device), what="session device")
+        if want.type != self.device.type or want.index not in (None, self.device.index):
             raise UsageError(f"{self.path.name} was loaded on {self.device}, its weights and programs live there; "
                              f"a session on {device} needs kvtrace.load(path, device={str(device)!r})")
         extra = {n: (spec, self._programs[n]) for n, spec in self.manifest.programs.items()

@@ -253,11 +253,12 @@ class LlamaDecoder(Step):
         a = read_args(cfg, qkv_bias=qkv.bias is not None, o_bias=att.o_proj.bias is not None,
                       tie_embeddings=model.lm_head.weight.data_ptr() == hf.embed_tokens.weight.data_ptr())
         n, rotary = spec.max_seq_len, hf.rotary_emb
-        if a.rope_switch is None:
-            dec = cls(a, spec, *_rope_table(rotary, n, spec.torch_dtype))
-        else:  # the short factors' table (HF's original_inv_freq: inv_freq itself may hold the long ones by now)
-            short = _rope_table(rotary, n, spec.torch_dtype, rotary.original_inv_freq)
-            dec = cls(a, spec, *short, _rope_table(rotary, n, spec.torch_dtype, _long_inv_freq(rotary, cfg)))
+        with torch.device(hf.embed_tokens.weight.device):  # made where the HF weights are: a GPU model, no host copy
+            if a.rope_switch is None:
+                dec = cls(a, spec, *_rope_table(rotary, n, spec.torch_dtype))
+            else:  # the short factors' table (HF's original_inv_freq: inv_freq itself may hold the long ones by now)
+                short = _rope_table(rotary, n, spec.torch_dtype, rotary.original_inv_freq)
+                dec = cls(a, spec, *short, _rope_table(rotary, n, spec.torch_dtype, _long_inv_freq(rotary, cfg)))
         dt = spec.torch_dtype
         with torch.no_grad():
             dec.tok_embeddings.weight.copy_(hf.embed_tokens.weight.to(dt))
