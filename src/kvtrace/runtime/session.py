@@ -70,6 +70,11 @@ class Session:
 
     Not thread-safe: a call while another thread is inside a call on the same session raises
     ``UsageError`` (nothing is serialized silently; use one session per thread).
+
+    ``device``: where the state is allocated and every tensor a program gets is made (the programs' device).
+    ``cuda_graphs``: decode is served from CUDA graphs (``runtime.graphs``; a CUDA session), one per key_pos
+    bucket (``graph_buckets``, default ``decode_buckets(max_seq_len)``); ``capturer`` replaces the CUDA
+    capture (``EagerCapturer``: the same static buffers and buckets without graphs, on any device).
     """
 
     def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str | torch.device = "cpu",
