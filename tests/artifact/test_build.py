@@ -61,7 +61,7 @@ def test_a_corrupt_cached_artifact_is_rebuilt_with_one_notice(hf_dir):
 def test_a_fresh_build_that_does_not_load_is_not_kept(hf_dir, monkeypatch):
     import kvtrace.artifact.archive
 
-    def refuse(path):
+    def refuse(path, **kwargs):
         raise ArtifactError(f"{path} is corrupt (simulated)")
 
     monkeypatch.setattr(kvtrace.artifact.archive, "load", refuse)
