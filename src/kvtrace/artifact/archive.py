@@ -133,7 +133,9 @@ class Artifact:
 
     def __repr__(self) -> str:
         m = self.manifest
-        return f"Artifact({self.path.name}, {m.model_name or m.model_type}, backend={m.backend}, {m.cache_spec.describe()})"
+        on = "" if self.device.type == "cpu" else f", device={self.device}"
+        return (f"Artifact({self.path.name}, {m.model_name or m.model_type}, backend={m.backend}{on}, "
+                f"{m.cache_spec.describe()})")
 
 
 def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
