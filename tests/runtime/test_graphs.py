@@ -163,6 +163,22 @@ def test_generate_through_graphs_gives_the_plain_sessions_tokens(art):
     assert a.tokens == b.tokens and len(a.tokens) == 20
 
 
+def test_graph_path_over_an_int8_cache_decodes_as_the_plain_session(tmp_path):
+    """Four state tensors per layer (K, V and their scales): the graph path passes them all, in place."""
+    path = tmp_path / "int8.kvt"
+    kvtrace.export(tiny_model("llama"), path, max_seq_len=MAX_SEQ_LEN, backend="exported", kv_dtype="int8")
+    art = kvtrace.load(path)
+    g, plain = art.session(cuda_graphs=True, capturer=EagerCapturer()), art.session()
+    assert len(g.state) == 4 * 2
+    lg, lp = g.prefill([[5, 17, 42]]), plain.prefill([[5, 17, 42]])
+    for _ in range(10):
+        tok = lp[:, -1:].argmax(-1).tolist()  # token lists work on the graph path too
+        lg, lp = g.decode(tok), plain.decode(tok)
+        assert_close(lg, lp, what=f"logits at {plain.position}")
+    for a, b in zip(g.state, plain.state, strict=True):
+        assert torch.equal(a, b)  # int8 values and float16 scales, written identically
+
+
 # --- on a GPU ------------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.compile
