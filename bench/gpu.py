@@ -120,12 +120,15 @@ def env(args: argparse.Namespace, device: torch.device, log: Log) -> float:
     return bw
 
 
-def build_model(tiny: bool, device: torch.device) -> torch.nn.Module:
+def build_model(tiny: bool, device: torch.device, layers: int | None = None) -> torch.nn.Module:
     """A random-weight Llama on ``device`` in bf16; embeddings scaled up (as tests/conftest.py's tiny models) so
-    greedy picks are decisive."""
+    greedy picks are decisive. ``layers``: another number of decoder layers (a quicker smoke of the same shape)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(**(SHAPE_TINY if tiny else SHAPE_1B))
+    shape = dict(SHAPE_TINY if tiny else SHAPE_1B)
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    cfg = LlamaConfig(**shape)
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg)
@@ -298,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (a dry run)")
     p.add_argument("--tiny", action="store_true", help="a tiny model of the same structure (dry runs)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's; 16 for the 1B)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu.jsonl, verify-*.json, trace.txt "
                    "(default $OUT)")
     p.add_argument("--backend", default="aoti", choices=("aoti", "exported"))
@@ -328,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
             bw = env(args, device, log)
         with log.phase("model"):
             t0 = time.perf_counter()
-            model = build_model(args.tiny, device)
+            model = build_model(args.tiny, device, args.layers)
             n = sum(t.numel() for t in {t.data_ptr(): t for t in model.parameters()}.values())
             log.emit(phase="model", params=n, seconds=round(time.perf_counter() - t0, 1), dtype="bfloat16",
                      layers=model.config.num_hidden_layers)
