@@ -83,7 +83,8 @@ class Artifact:
         return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
                        vocab_size=self.manifest.vocab_size, extra=extra,
                        prefill_logits=self.manifest.programs["prefill"].logits,
-                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity)
+                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity,
+                       quant=self.manifest.quant)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, kv_dtype_arg, sampling_args
+from kvtrace.cli.args import POSITIVE, kv_dtype_arg, quant_args, sampling_args
 from kvtrace.cli.ui import UI
 
 
@@ -87,7 +87,8 @@ def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
     t0 = time.perf_counter()
     # loads (and so checks) the artifact too; a cached one that fails its integrity check is rebuilt
     built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                            progress=ui.step, load=True, notice=ui.notice, kv_dtype=args.kv_dtype)
+                            progress=ui.step, load=True, notice=ui.notice, kv_dtype=args.kv_dtype,
+                            quant=args.quant, quant_group_size=args.quant_group_size, quant_head=args.quant_head)
     art = built.artifact
     load_s = time.perf_counter() - t0
     ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
@@ -111,6 +112,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     kv_dtype_arg(p)
+    quant_args(p)
     sampling_args(p)
     p.set_defaults(func=cmd_generate)
 

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtrace.cli.args import POSITIVE, int_in, kv_dtype_arg
+from kvtrace.cli.args import POSITIVE, int_in, kv_dtype_arg, quant_args
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -50,5 +50,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="vision decoders: cross_attention_states [1, N, dim]; every prompt runs with this image, "
                         "then again text only")
     kv_dtype_arg(p)  # for the --against exports; an --artifact's own cache is read from its manifest
+    quant_args(p)  # likewise: an --artifact's quantized weights are read from its manifest
     p.set_defaults(func=cmd_verify)
 

@@ -58,6 +58,7 @@ class BenchResult:
     dtype: str
     prompt_len: int
     new_tokens: int
+    quant: str = "none"  # the artifact's quantized weights (``QuantSpec.key``), "none" for none
     load_s: float = 0.0
     compile_s: float = 0.0
     prefill_ms: float = 0.0  # median
@@ -70,6 +71,7 @@ class BenchResult:
     tokens_match_eager: bool | None = None
     first_mismatch: int | None = None
     bound_fraction: float | None = None  # decode tok/s x bytes/token / bandwidth
+    bytes_per_token: int | None = None  # what one decode step reads: every weight once (as stored) + live K/V
     vs_hf_eager: float | None = None
     position_sweep: list[tuple[int, float]] = field(default_factory=list)  # (context position, decode tok/s)
     measured_in: str = "this process"  # or "fresh process" (artifact backends, see the module docstring)
@@ -183,8 +185,9 @@ IN_PROCESS: dict[str, Callable[[torch.nn.Module, int], _Stepper]] = {
 
 
 def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str,
-          load_session: bool = True) -> _Stepper:
-    """The backend ready to run; for artifact backends with ``load_session=False``, only the built file."""
+          load_session: bool = True, quant: str = "none") -> _Stepper:
+    """The backend ready to run; for artifact backends with ``load_session=False``, only the built file;
+    ``quant``: the artifact's quantized weights (``export``'s ``quant``)."""
     if backend in IN_PROCESS:
         return IN_PROCESS[backend](model, max_seq_len)
     from kvtrace.artifact.archive import load
@@ -196,12 +199,14 @@ def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, d
 
         workdir = tempfile.TemporaryDirectory(prefix="kvtrace-bench-")
         path = Path(workdir.name) / f"{backend}.kvt"
-        export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last")
+        export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last",
+               quant=quant)
     else:
         from kvtrace.artifact.store import cached_artifact
 
         # load=True: a cached entry that fails its integrity check is rebuilt, as for generate
-        path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True).path
+        path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True,
+                               quant=quant).path
     if not load_session:
         def unloaded(*_: Any) -> Any:
             raise RuntimeError("this artifact is measured in another process")
@@ -313,6 +318,34 @@ def _bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
     return total + 2 * n_layers * n_kv * head_dim * ctx * elt  # weights + live K/V
 
 
+def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_seq_len: int, ctx: int) -> int:
+    """``_bytes_per_token`` of the model with ``quant``'s weights: every weight of its quantized decoder once, as
+    stored (int8 / packed int4 / GGUF blocks and their scales; norms and unquantized tensors in their dtype)."""
+    from kvtrace.cache.hf import kv_geometry
+    from kvtrace.models import quant as q
+    from kvtrace.models.registry import make_decoder
+    from kvtrace.spec.quant import parse_quant
+
+    decoder = make_decoder(model, max_seq_len=max_seq_len)
+    blocks = None
+    if quant == "gguf":
+        from kvtrace.sources.gguf_blocks import GGUFBlocks
+        from kvtrace.sources.resolve import resolve_source
+
+        blocks = GGUFBlocks(resolve_source(source).path)
+    q.quantize_decoder(decoder, parse_quant(quant), gguf=blocks)
+    kinds = (q.Int8Linear, q.Int4Linear, q.GGUFLinear, q.Int8Embedding, q.GGUFEmbedding)
+    tensors = [*decoder.parameters(), *(b for m in decoder.modules() if isinstance(m, kinds) for b in m.buffers())]
+    seen, total = set(), 0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    n_layers, n_kv, head_dim = kv_geometry(model.config)
+    elt = next(model.parameters()).element_size()
+    return total + 2 * n_layers * n_kv * head_dim * ctx * elt
+
+
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
     old = torch.get_num_threads()
@@ -328,13 +361,21 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
               backends: tuple[str, ...] = ("hf-eager", "exported", "aoti"), prompt_lens: tuple[int, ...] = (37,),
               new_tokens: int = 128, dtypes: tuple[str, ...] = ("float32",), runs: int = 3,
               max_seq_len: int = 1024, threads: int | None = None, sweep: bool = False,
-              fresh_process: bool = True,
+              fresh_process: bool = True, quants: tuple[str, ...] = ("none",),
               progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
-    """Run every (dtype, prompt length, backend) and return a JSON-able dict with a ``results`` list.
+    """Run every (dtype, prompt length, backend, quantization) and return a JSON-able dict with a ``results``
+    list.
 
-    ``fresh_process``: measure artifact backends in a new process (see the module docstring).
+    ``fresh_process``: measure artifact backends in a new process (see the module docstring). ``quants``:
+    weight quantizations (``export``'s ``quant``; "none" for none) of the artifact backends, one row each; HF
+    and jit rows run unquantized only. Each row's bandwidth bound counts the bytes its weights take as stored.
     """
     from kvtrace.artifact.export import DTYPES
+    from kvtrace.spec.quant import SCHEMES
+
+    bad_q = sorted(set(quants) - {"none", *SCHEMES})
+    if bad_q:
+        raise UsageError(f"unknown quantizations {bad_q}; choose from {['none', *SCHEMES]}")
 
     known = (*IN_PROCESS, *_artifact_backends())
     bad = sorted(set(backends) - set(known))
@@ -361,21 +402,25 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     raise UsageError(f"prompt {plen} + new tokens {new_tokens} exceed --max-seq-len {max_seq_len}")
                 ids = _random_ids(m.config.vocab_size, plen, seed=0)
                 ref_tokens: list[int] | None = None
-                for b in backends:
-                    r = BenchResult(b, dtype, plen, new_tokens, load_s=round(load_s, 2))
+                per_quant: dict[str, int] = {}
+                runs_of = [(b, qn) for b in backends
+                           for qn in (quants if b in _artifact_backends() else ("none",))]
+                for b, qn in runs_of:
+                    r = BenchResult(b, dtype, plen, new_tokens, quant=qn, load_s=round(load_s, 2))
                     gc.collect()
                     _reset_peak_rss()
                     s = None
                     fresh = fresh_process and b in _artifact_backends()
                     positions = sweep_positions(max_seq_len) if sweep else ()
                     try:
-                        with progress(f"{b} {dtype} prompt {plen}: build"):
+                        label = f"{b} {dtype}{'' if qn == 'none' else ' ' + qn} prompt {plen}"
+                        with progress(f"{label}: build"):
                             t0 = time.perf_counter()
                             s = _make(b, m, model_source if model is None else None, max_seq_len, dtype,
-                                      load_session=not fresh)
+                                      load_session=not fresh, quant=qn)
                             build_s = time.perf_counter() - t0
                         where = "a fresh process" if fresh else "this process"
-                        with progress(f"{b} {dtype} prompt {plen}: {runs} runs x {new_tokens} tokens in {where}"):
+                        with progress(f"{label}: {runs} runs x {new_tokens} tokens in {where}"):
                             if fresh:
                                 got = _measure_fresh(s.artifact, ids, new_tokens, runs, m.config.vocab_size,
                                                      positions, torch.get_num_threads())
@@ -406,7 +451,14 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                         mism = [i for i, (a, c) in enumerate(zip(r.tokens, ref_tokens, strict=False)) if a != c]
                         r.tokens_match_eager = not mism
                         r.first_mismatch = mism[0] if mism else None
-                    per_tok = _bytes_per_token(m, plen + new_tokens // 2)
+                    ctx = plen + new_tokens // 2
+                    if qn == "none":
+                        per_tok = _bytes_per_token(m, ctx)
+                    else:
+                        if qn not in per_quant:
+                            per_quant[qn] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx)
+                        per_tok = per_quant[qn]
+                    r.bytes_per_token = per_tok
                     r.bound_fraction = round(r.decode_tok_s * per_tok / (bw * 1e9), 3)
                     results.append(r)
                 eager = next((x for x in results if x.backend == BASELINE and x.dtype == dtype
@@ -429,6 +481,7 @@ def run_cli_bench(args: Any, ui: Any) -> int:
         prompt_lens=tuple(int(x) for x in str(args.prompt_len).split(",")),
         new_tokens=args.new_tokens,
         dtypes=tuple(d.strip() for d in args.dtype.split(",")),
+        quants=tuple(q.strip() for q in args.quant.split(",")),
         runs=args.runs,
         max_seq_len=args.max_seq_len,
         threads=args.threads,
