@@ -50,7 +50,7 @@ def test_int8_rows_and_symmetric_int4():
     qv, scale = q.quantize_int8(w)
     assert qv.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (16,)
     assert float((qv.float() * scale.float()[:, None] - w).abs().max()) <= float(scale.float().max()) / 2 + 1e-6
-    q4, s4, z4 = q.quantize_int4(w, 32, symmetric=True)
+    q4, _, z4 = q.quantize_int4(w, 32, symmetric=True)
     assert float(z4.abs().max()) == 0 and int(q4.min()) >= 0 and int(q4.max()) <= 15
 
 

@@ -126,6 +126,8 @@ class Int4Linear(nn.Module):
         super().__init__()
         self.register_buffer("weight", weight)  # [N, K/2] uint8 (int4pack)
         self.register_buffer("scale_zeros", scale_zeros)  # [K/g, N, 2] bf16
+        # the group size as a tensor: the kernel's tensor-argument form (see ``forward``)
+        self.register_buffer("group", torch.tensor([group_size], dtype=torch.int64))  # [1]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group_size, self.act_int8 = group_size, act_int8
         self.out_features = scale_zeros.shape[1]
@@ -134,7 +136,10 @@ class Int4Linear(nn.Module):
         rows = _rows(x)
         if self.act_int8:
             rows = _quant_rows_int8(rows)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(BF16), self.weight, self.group_size, self.scale_zeros)
+        # quantized::int4mm_packed_weight_cpu is aten._weight_int4pack_mm_for_cpu with the group size as a tensor:
+        # Inductor lowers the aten op by creating that tensor as a constant of its own, which an AOTInductor
+        # library built without its weights then expects from the caller; as a buffer it is stored with the rest
+        y = torch.ops.quantized.int4mm_packed_weight_cpu(rows.to(BF16), self.weight, self.group, self.scale_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
