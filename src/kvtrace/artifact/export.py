@@ -196,6 +196,11 @@ def export(
         raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
     kv_dtype = _kv_dtype(kv_dtype)
     qspec = parse_quant(quant, quant_group_size, quant_head)
+    if qspec is not None and qspec.scheme == "gguf" and chosen.packs_weights:
+        # one program serves prefill and decode, so every matmul takes the dequantize-then-multiply path, and
+        # freezing folds that into float32 weights: the blocks would not survive into the program
+        raise UnsupportedError(f"quant='gguf' with backend {backend!r}: its one program would fold the GGUF blocks "
+                               "into float32 weights (prefill and decode share it); use backend 'aoti' (or 'exported')")
     if max_seq_len < 1 or batch_size < 1:
         raise UsageError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
     path = Path(path)
