@@ -59,9 +59,9 @@ def test_gguf_native_q4_1_aoti_computes_with_the_gguf_numbers(smol, prompts, tmp
     report = _check(smol, prompts, art, "aoti-gguf", steps=16)
     assert report.tolerance["atol"] == "0.0001"  # float32: the same numbers as eager over the dequantized GGUF
     # 128 greedy tokens, free-running, equal eager's over the dequantized weights
-    from kvtrace.runtime.generate import generate
-
     from transformers import DynamicCache
+
+    from kvtrace.runtime.generate import generate
 
     ids = torch.tensor([prompts[0]])
     got = generate(art.session(), ids, max_new_tokens=128, eos_ids=()).tokens
