@@ -178,7 +178,7 @@ def export(
         kv_dtype: None or ``"auto"`` — K/V held in ``dtype``; ``"int8"`` — int8 K/V with a float16 scale per
             token and KV head (``kvtrace.cache.int8``), about 0.27-0.28x the bytes of a float32 cache, quantized on
             write and dequantized on read inside the programs; declared in the CacheSpec (``kv_dtype``), so the
-            manifest, the Session and ``kvtrace verify`` know it. Llama-family decoders (LlamaDecoder) only.
+            manifest, the Session and ``kvtrace verify`` know it. Every text decoder (not the vision decoder).
         quant: None / ``"none"`` — weights in ``dtype``; ``"int8"`` (per output channel), ``"int4"`` (groups of
             ``quant_group_size``, default 32, scale and zero each), ``"8da4w"`` (int4 weights, int8 dynamic
             activations), each computed by torch's CPU kernels with bf16 activations; ``"gguf"`` — a GGUF source's
