@@ -40,10 +40,13 @@ def cache_kwarg_only_model() -> CacheKwargOnlyLlama:
 def write_gguf(
     path: Path, arch: str = "llama", *, vocab: int = 8, hidden: int = 64, layers: int = 2,
     tensors: str | None = None, template: str = CHATML, padding: int = 0, raw: dict | None = None,
+    qtype: str | None = None, embd_qtype: str | None = None, qtypes: dict | None = None,
 ) -> Path:
     """A tiny random GGUF labelled ``arch`` holding the tensors of architecture ``tensors`` (default:
     ``arch``), complete enough for transformers to load. ``padding``: bytes of a description written
-    before the chat template (pushes it deep into the metadata); ``raw``: extra tensors {name: array}."""
+    before the chat template (pushes it deep into the metadata); ``raw``: extra tensors {name: array}.
+    ``qtype`` ("Q4_0", "Q4_1", "Q8_0", "F16", ...): the blocks' weight matrices stored as that GGML type (quantized by
+    the gguf package), ``embd_qtype`` the token embedding's; ``qtypes``: per tensor name, overriding both."""
     import gguf  # here, not at import: the GPU machine's image has no gguf and its tests need none
 
     rng = np.random.default_rng(0)
@@ -78,7 +81,15 @@ def write_gguf(
     w.add_chat_template(template)
 
     def rand(name: str, *shape: int) -> None:  # numpy shape is HF's [out, in]; GGUF stores dims reversed
-        w.add_tensor(name, (rng.standard_normal(shape) * 0.1).astype(np.float32))
+        data = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        kind = (qtypes or {}).get(name, embd_qtype if name == "token_embd.weight" else qtype if len(shape) == 2 else None)
+        if kind in (None, "F32"):
+            w.add_tensor(name, data)
+        elif kind == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            t = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(name, gguf.quants.quantize(data, t), raw_dtype=t)
 
     rand("token_embd.weight", vocab, hidden)  # no output.weight: lm_head is tied to the embedding
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))

@@ -13,7 +13,7 @@ EXPECTED = ERRORS | {
     "__version__",
     "CacheSpec", "LayerKind", "LayerSpec", "LayerState", "BufferSpec", "ProgramSpec", "InputSpec", "Decoder",  # declared state and programs
     "jit", "JittedModel", "JitStats",  # HF-style calls
-    "export", "load", "Artifact", "Manifest",  # artifacts
+    "export", "load", "Artifact", "Manifest", "QuantSpec",  # artifacts
     "Session", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
     "Chunk", "Conversation", "Turn", "TurnStats", "Capturer", "EagerCapturer", "GraphStats",  # running
     "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",

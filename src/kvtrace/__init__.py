@@ -49,6 +49,7 @@ _LAZY = {
     "load": "kvtrace.artifact.archive",
     "Artifact": "kvtrace.artifact.archive",
     "Manifest": "kvtrace.spec.manifest",
+    "QuantSpec": "kvtrace.spec.quant",
     # running: sessions and generation
     "Session": "kvtrace.runtime.session",
     "Snapshot": "kvtrace.runtime.session",
@@ -111,6 +112,7 @@ __all__ = [
     "Manifest",
     "ProgramSpec",
     "Prompt",
+    "QuantSpec",
     "Runner",
     "Sampling",
     "Session",
@@ -152,6 +154,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest
     from kvtrace.spec.program import InputSpec, ProgramSpec
+    from kvtrace.spec.quant import QuantSpec
     from kvtrace.tools.lint import Finding, LintReport, lint
     from kvtrace.tools.runners import DecoderRunner, EagerRunner, JitRunner, Prompt, Runner, SessionRunner
     from kvtrace.tools.verify import StepRow, VerifyReport, verify

@@ -66,5 +66,5 @@ def test_bench_table_is_full_width_when_piped():
     text = render_markdown({"bandwidth_gb_s": 20.0, "threads": 2, "results": [row, broken]})
     lines = text.splitlines()
     assert lines[2] == "| " + " | ".join(COLUMNS) + " |"  # every header whole
-    assert "| aoti-packed | bfloat16 | 37 |" in lines[4] and "no (at 13)" in lines[4] and "fresh process" in lines[4]
+    assert "| aoti-packed | bfloat16 | none | 37 |" in lines[4] and "no (at 13)" in lines[4] and "fresh process" in lines[4]
     assert "error: CaptureError: boom / bang" in lines[5] and lines[5].count("|") == len(COLUMNS) + 1

@@ -100,7 +100,7 @@ class Artifact:
                        vocab_size=self.manifest.vocab_size, extra=extra,
                        prefill_logits=self.manifest.programs["prefill"].logits,
                        key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity,
-                       cuda_graphs=cuda_graphs, capturer=capturer)
+                       cuda_graphs=cuda_graphs, capturer=capturer, quant=self.manifest.quant)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

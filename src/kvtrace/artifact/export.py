@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
+from kvtrace._errors import CaptureError, KvtraceError, UnsupportedError, UsageError, one_line
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
 from kvtrace.capture.export import capture_programs, with_prefill_logits
@@ -26,6 +26,7 @@ from kvtrace.spec.device import check_available, concrete
 from kvtrace.spec.device import resolve as resolve_device
 from kvtrace.spec.manifest import Manifest, ModelInfo
 from kvtrace.spec.program import program_specs
+from kvtrace.spec.quant import QuantSpec, parse_quant
 
 __all__ = ["export"]
 
@@ -48,11 +49,12 @@ def _weights(eps: dict[str, torch.export.ExportedProgram]) -> dict[str, torch.Te
 
 
 def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_size: int,
-                 image_tokens: int | None = None, kv_dtype: str | None = None, device: torch.device | None = None
-                 ) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None]:
-    """(decoder, eager HF model or None, model info, tokenizer JSON or None) for a source string/path,
-    an HF model or a Decoder, on ``device`` (default CPU). A caller's model or Decoder on another device or
-    in another dtype is converted on a copy: theirs is left where and as it was."""
+                 image_tokens: int | None = None, kv_dtype: str | None = None, device: torch.device | None = None,
+                 quant: QuantSpec | None = None
+                 ) -> tuple[torch.nn.Module, torch.nn.Module | None, ModelInfo, str | None, QuantSpec | None]:
+    """(decoder, eager HF model or None, model info, tokenizer JSON or None, the quantization applied) for a
+    source string/path, an HF model or a Decoder, on ``device`` (default CPU). A caller's model or Decoder on
+    another device or in another dtype is converted on a copy: theirs is left where and as it was."""
     from kvtrace.capture.export import device_of
     from kvtrace.models.registry import make_decoder
 
@@ -63,7 +65,10 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
                              f"(cache_spec.kv_dtype={source.cache_spec.kv_dtype!r}); a Decoder's cache_spec decides, "
                              "so leave kv_dtype unset or build the Decoder with it")
         decoder = source if device_of(source) == device else copy.deepcopy(source).to(device)
-        return decoder, None, ModelInfo(model_name=type(source).__name__), None
+        if quant is not None:  # quantized on a copy: the caller's decoder keeps its weights
+            decoder, quant = _quantized(decoder if decoder is not source else copy.deepcopy(source), quant, None,
+                                        type(source).__name__)
+        return decoder, None, ModelInfo(model_name=type(source).__name__), None, quant
     if isinstance(source, torch.nn.Module):
         model = source
         if any(t.dtype != dtype for t in model.parameters() if t.is_floating_point()) or device_of(model) != device:
@@ -71,9 +76,11 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
             model = copy.deepcopy(source).to(device=device, dtype=dtype)
         info = ModelInfo(model_name=type(model).__name__, model_type=model.config.model_type,
                          eos_ids=_eos(model.config), bos_id=getattr(model.config, "bos_token_id", None))
+        _check_quant_family(model, quant)
         decoder = make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
                                kv_dtype=kv_dtype)
-        return decoder.to(device), model, info, None
+        decoder, quant = _quantized(decoder, quant, None, info.model_name)
+        return decoder.to(device), model, info, None, quant
     from kvtrace.sources.load import load_model
 
     loaded = load_model(source, dtype=dtype)
@@ -87,9 +94,47 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
     )
     tokenizer_json = loaded.tokenizer.to_str() if loaded.tokenizer is not None else None
     model = loaded.model.to(device)  # our own copy: the decoder reads its RoPE tables where eager computes them
+    _check_quant_family(model, quant)
     decoder = make_decoder(model, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
                            kv_dtype=kv_dtype)
-    return decoder.to(device), model, info, tokenizer_json
+    blocks = None
+    if quant is not None and quant.scheme == "gguf":
+        if loaded.source.kind not in ("gguf", "default"):
+            raise UsageError(f"quant='gguf' keeps a GGUF file's own blocks, but {loaded.source.name} is a "
+                             f"{loaded.source.kind} source; pass a .gguf file, or use quant='int8' / 'int4'")
+        from kvtrace.sources.gguf_blocks import GGUFBlocks
+
+        blocks = GGUFBlocks(loaded.source.path)
+    decoder, quant = _quantized(decoder, quant, blocks, info.model_name)
+    return decoder.to(device), model, info, tokenizer_json, quant
+
+
+def _check_quant_family(model: torch.nn.Module, quant: QuantSpec | None) -> None:
+    """Quantization rewrites a decoder's modules, so only families whose decoder owns its weights take it."""
+    if quant is None:
+        return
+    from kvtrace.models.registry import families, family_for
+
+    family = family_for(model.config)
+    if not family.quant:
+        takes = sorted(f.name for f in families() if f.quant)
+        raise UnsupportedError(f"the {family.name} decoder ({model.config.model_type!r}) does not take quantized "
+                               f"weights; quant={quant.scheme!r} is offered by the {', '.join(takes)} decoder(s). "
+                               "Export without quant")
+
+
+def _quantized(decoder: torch.nn.Module, quant: QuantSpec | None, blocks: Any,
+               name: str) -> tuple[torch.nn.Module, QuantSpec | None]:
+    if quant is None:
+        return decoder, None
+    from kvtrace.models.quant import quantize_decoder
+
+    done = quantize_decoder(decoder, quant, gguf=blocks)
+    if not done.tensors:
+        raise UnsupportedError(f"quant={quant.scheme!r} found nothing to quantize in {name}"
+                               + (f" ({next(iter(done.dequantized.values()))})" if done.dequantized else "")
+                               + "; export without quant")
+    return decoder, done
 
 
 def _eos(config: Any) -> tuple[int, ...]:
@@ -111,6 +156,9 @@ def export(
     prefill_logits: str = "all",
     kv_dtype: str | None = None,
     device: str | torch.device = "cpu",
+    quant: str | QuantSpec | None = None,
+    quant_group_size: int | None = None,
+    quant_head: bool = True,
     progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """Export a decoder with its KV cache to one artifact file.
@@ -144,6 +192,14 @@ def export(
             inputs are put there before capture, so the programs are captured and compiled for that device
             (AOTInductor: CUDA kernels); the manifest records the device type (``Manifest.device``) and loading
             checks it. The caller's model stays where it was (a copy is moved).
+        quant: None / ``"none"`` — weights in ``dtype``; ``"int8"`` (per output channel), ``"int4"`` (groups of
+            ``quant_group_size``, default 32, scale and zero each), ``"8da4w"`` (int4 weights, int8 dynamic
+            activations), each computed by torch's CPU kernels with bf16 activations; ``"gguf"`` — a GGUF source's
+            own Q4_0/Q4_1/Q8_0 blocks kept as stored and computed with exactly those numbers in float32 (other
+            tensor types dequantized, recorded). ``quant_head``: int8/int4/8da4w also store the embedding and output
+            head as int8. The module-by-module choice is recorded in the manifest (``Manifest.quant``), and
+            ``kvtrace verify`` judges the artifact against the same quantized weights run eagerly
+            (``kvtrace.spec.quant``, ``kvtrace.models.quant``). Llama-family decoders only.
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """
@@ -155,6 +211,17 @@ def export(
     dev = resolve_device(device, what="export device")
     if dev.type == "meta":
         raise UsageError("export device must be cpu or cuda; meta tensors hold no weights to export")
+    qspec = parse_quant(quant, quant_group_size, quant_head)
+    if qspec is not None and qspec.scheme == "gguf" and chosen.packs_weights:
+        # one program serves prefill and decode, so every matmul takes the dequantize-then-multiply path, and
+        # freezing folds that into float32 weights: the blocks would not survive into the program
+        raise UnsupportedError(f"quant='gguf' with backend {backend!r}: its one program would fold the GGUF blocks "
+                               "into float32 weights (prefill and decode share it); use backend 'aoti' (or 'exported')")
+    if qspec is not None and dev.type != "cpu":
+        # the quantized matmuls are torch's CPU weight-only kernels (int8 / int4 / 8da4w) or GGUF-block code
+        # written and checked on CPU only
+        raise UnsupportedError(f"quant={qspec.scheme!r} on device {dev}: quantized weights are computed by CPU kernels "
+                               "only; export with device='cpu', or without quant for a GPU")
     check_available(dev, f"export to device {dev}")
     dev = concrete(dev)
     if max_seq_len < 1 or batch_size < 1:
@@ -165,9 +232,9 @@ def export(
     t0 = time.perf_counter()
     progress = progress or (lambda what: contextlib.nullcontext())
     with progress("loading model (GGUF is converted once, then cached)"):
-        decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
-                                                            batch_size=batch_size, image_tokens=image_tokens,
-                                                            kv_dtype=kv_dtype, device=dev)
+        decoder, model, info, tokenizer_json, qspec = _from_source(
+            source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
+            kv_dtype=kv_dtype, device=dev, quant=qspec)
     programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
     chosen.check_programs([p.name for p in programs], info.model_name or type(decoder).__name__)
     try:
@@ -196,6 +263,7 @@ def export(
         **asdict(info),
         generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
         weight_aliases=aliases,
+        quant=qspec,
         kvtrace_version=__version__,
         torch_version=torch.__version__,
         export_seconds=round(time.perf_counter() - t0, 3),

@@ -43,7 +43,9 @@ class BuildResult:
 
 
 def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, batch_size: int,
-                 prefill_logits: str = "last", kv_dtype: str | None = None, device: str = "cpu") -> str:
+                 prefill_logits: str = "last", kv_dtype: str | None = None, device: str = "cpu",
+                 quant: str | None = None) -> str:
+    """``quant``: the quantization's ``QuantSpec.key`` (scheme, group size, head), None for none."""
     from kvtrace import __version__
     from kvtrace.artifact.archive import VERSION  # a new artifact format never serves entries of the old one
     from kvtrace.backends import registry
@@ -51,7 +53,8 @@ def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, bat
     blob = json.dumps([digest, registry.get(backend).name, max_seq_len, dtype, batch_size, __version__, VERSION, torch.__version__,
                        *([] if prefill_logits == "all" else [prefill_logits]),
                        *([] if kv_dtype in (None, "auto") else [f"kv_dtype={kv_dtype}"]),
-                       *([] if device == "cpu" else [f"device={device}"])])  # a CPU entry's key as before
+                       *([] if device == "cpu" else [f"device={device}"]),  # a CPU entry's key as before
+                       *([] if quant is None else [f"quant={quant}"])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -125,11 +128,12 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
 def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "float32",
                     batch_size: int = 1, prefill_logits: str = "last", progress: Any = None,
                     load: bool = False, notice: Callable[[str], None] | None = None,
-                    kv_dtype: str | None = None, device: str = "cpu") -> BuildResult:
+                    kv_dtype: str | None = None, device: str = "cpu", quant: str | None = None,
+                    quant_group_size: int | None = None, quant_head: bool = True) -> BuildResult:
     """The artifact for ``source`` with these options, exporting it on a cache miss. Its prefill returns
     the last position's logits by default (what a generation samples from; see ``export``); ``kv_dtype``
-    ("int8") asks for a quantized KV cache, a separate entry; ``device`` ("cuda") programs compiled for a GPU,
-    another entry too (keyed by the device type; loaded on ``device``).
+    ("int8") asks for a quantized KV cache, ``quant`` (``export``'s) for quantized weights, ``device`` ("cuda")
+    programs compiled for a GPU (keyed by the device type; loaded on ``device``): each a separate entry.
 
     ``load=True`` also loads it (``BuildResult.artifact``): a cached entry that ``kvtrace.load``
     refuses is then deleted and rebuilt, and ``notice`` (if given) gets one line saying so. A freshly
@@ -140,12 +144,15 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
     from kvtrace.sources.resolve import resolve_source
     from kvtrace.spec.device import check_available
     from kvtrace.spec.device import resolve as resolve_device
+    from kvtrace.spec.quant import parse_quant
 
     dev = resolve_device(device, what="device")
     check_available(dev, f"device {dev}")  # before any model is read or compiled
     src = resolve_source(source)
+    qspec = parse_quant(quant, quant_group_size, quant_head)
     key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
-                       prefill_logits=prefill_logits, kv_dtype=kv_dtype, device=dev.type)
+                       prefill_logits=prefill_logits, kv_dtype=kv_dtype, device=dev.type,
+                       quant=qspec.key if qspec else None)
     path = _artifacts_dir() / f"{src.name}-{backend}-{key}.kvt"
     refused: tuple[int, int, int] | None = None  # the stamp of the entry that failed to load
 
@@ -176,7 +183,7 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
         t0 = time.perf_counter()
         try:
             export(src, path, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size, backend=backend,
-                   prefill_logits=prefill_logits, progress=progress, kv_dtype=kv_dtype, device=dev)
+                   prefill_logits=prefill_logits, progress=progress, kv_dtype=kv_dtype, device=dev, quant=qspec)
         except OSError as e:
             raise UsageError(f"could not write the cached artifact {path} ({e.strerror or e}); "
                              "set KVTRACE_CACHE to a writable folder with free space") from e

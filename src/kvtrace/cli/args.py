@@ -73,6 +73,43 @@ def kv_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "per token and KV head (~0.28x the bytes of a float32 cache; Llama-family decoders)")
 
 
+QUANT_HELP = ("weights: none (default) = the model's dtype; int8 = int8 per output channel; int4 = 4-bit groups "
+              "with scale and zero; 8da4w = int4 weights, int8 dynamic activations (these three run torch's CPU "
+              "kernels with bf16 activations); gguf = a GGUF's own Q4_0/Q4_1/Q8_0 blocks kept as stored, computed "
+              "in float32 (Llama-family decoders)")
+
+
+def quant_args(p: argparse.ArgumentParser, many: bool = False) -> None:
+    """``--quant`` (one scheme, or with ``many`` a comma list like bench's --dtype), ``--quant-group-size``,
+    ``--no-quant-head``."""
+    from kvtrace.spec.quant import GROUP_SIZES, SCHEMES
+
+    choices = ("none", *SCHEMES)
+    if many:
+        p.add_argument("--quant", type=choice_list(choices), default="none", metavar="LIST",
+                       help=f"comma list of {', '.join(choices)}: one row per choice. " + QUANT_HELP)
+    else:
+        p.add_argument("--quant", choices=choices, default="none", help=QUANT_HELP)
+    p.add_argument("--quant-group-size", type=int, choices=GROUP_SIZES, default=None, metavar="G",
+                   help=f"int4 / 8da4w: input features per scale, one of {list(GROUP_SIZES)} (default 32)")
+    p.add_argument("--no-quant-head", dest="quant_head", action="store_false", default=True,
+                   help="int8 / int4 / 8da4w: keep the embedding and output head in the model's dtype "
+                        "(default: int8, one scale per row)")
+
+
+def choice_list(choices: tuple[str, ...]) -> Callable[[str], str]:
+    """A comma list of ``choices`` (at least one, no repeats), kept as text."""
+    def parse(text: str) -> str:
+        items = [t.strip() for t in text.split(",")]
+        bad = [t for t in items if t not in choices]
+        if bad or len(set(items)) != len(items):
+            raise argparse.ArgumentTypeError(f"expected a comma list of {', '.join(choices)} without repeats, "
+                                             f"got {text!r}")
+        return ",".join(items)
+
+    return parse
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=POSITIVE, default=None)

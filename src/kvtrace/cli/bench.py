@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-from kvtrace.cli.args import POSITIVE, device_arg, int_list
+from kvtrace.cli.args import POSITIVE, device_arg, int_list, quant_args
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -28,6 +28,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--threads", type=POSITIVE, default=None)
     p.add_argument("--runs", type=POSITIVE, default=3)
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
+    quant_args(p, many=True)
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also measure decode speed against context position and plot it (needs matplotlib)")
     device_arg(p, what="where every backend runs; artifacts are compiled for it (default cpu)")

@@ -7,7 +7,7 @@ import json
 import time
 from collections.abc import Callable
 
-from kvtrace.cli.args import POSITIVE, device_arg, kv_dtype_arg
+from kvtrace.cli.args import POSITIVE, device_arg, kv_dtype_arg, quant_args
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -18,7 +18,8 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
     with output_file(args.output, "-o"):
         path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
                       image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step,
-                      kv_dtype=args.kv_dtype, device=args.device)
+                      kv_dtype=args.kv_dtype, device=args.device, quant=args.quant,
+                      quant_group_size=args.quant_group_size, quant_head=args.quant_head)
     info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
     if ui.json_mode:
         print(json.dumps(info))
@@ -48,5 +49,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     kv_dtype_arg(p)
     device_arg(p, what="the device the programs are compiled for: cpu (default), or cuda (AOTInductor compiles CUDA "
                        "kernels; needs a GPU here and where the artifact runs)")
+    quant_args(p)
     p.set_defaults(func=cmd_export)
 

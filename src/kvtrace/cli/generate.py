@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, kv_dtype_arg, sampling_args
+from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, kv_dtype_arg, quant_args, sampling_args
 from kvtrace.cli.ui import UI
 
 
@@ -95,7 +95,8 @@ def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
     # loads (and so checks) the artifact too; a cached one that fails its integrity check is rebuilt
     built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
                             progress=ui.step, load=True, notice=ui.notice, kv_dtype=args.kv_dtype,
-                            device=args.device)
+                            device=args.device, quant=args.quant, quant_group_size=args.quant_group_size,
+                            quant_head=args.quant_head)
     art = built.artifact
     check_cuda_graphs(art, args)
     load_s = time.perf_counter() - t0
@@ -120,6 +121,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     kv_dtype_arg(p)
+    quant_args(p)
     sampling_args(p)
     device_arg(p)
     cuda_graphs_arg(p)

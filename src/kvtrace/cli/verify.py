@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtrace.cli.args import POSITIVE, device_arg, int_in, kv_dtype_arg
+from kvtrace.cli.args import POSITIVE, device_arg, int_in, kv_dtype_arg, quant_args
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -52,5 +52,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     kv_dtype_arg(p)  # for the --against exports; an --artifact's own cache is read from its manifest
     device_arg(p, what="where eager (the reference) and every candidate run; the --against artifacts are compiled "
                        "for it (default cpu)")
+    quant_args(p)  # likewise: an --artifact's quantized weights are read from its manifest
     p.set_defaults(func=cmd_verify)
 

@@ -11,7 +11,9 @@ cross-attention cache), ``hf_generic`` (any HF decoder-only causal LM whose laye
 attention, run by HF's own modules behind the uniform step; asked last; refused only for a cache kind
 or feature it cannot express, named), ``hf_attention`` (what hf_generic swaps into HF's modules: the
 per-call cache object over the state buffers and the attention function registered with transformers'
-``AttentionInterface``), ``step`` (what those decoders share at their edge: ``forward`` / ``forward_live``
+``AttentionInterface``), ``quant`` (quantized weights: ``quantize_decoder`` swaps a decoder's linear layers and embedding for int8 /
+int4 / 8da4w modules over torch's CPU kernels or a GGUF's own blocks, and builds verify's dequantized reference),
+``step`` (what those decoders share at their edge: ``forward`` / ``forward_live``
 over their ``_run``, and which programs to export). Each family module defines its ``FAMILY``; adding a family is one module plus
 its name in ``registry.BUILTIN`` (or a ``registry.register`` call).
 

@@ -301,5 +301,5 @@ def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens:
 
 
 # Llama-family configs (Llama, SmolLM2, Qwen2, Mistral, Qwen3, SmolLM3, Granite, OLMo2, Phi-3; sliding windows as
-# rings) that ``supports`` accepts: before the general HFDecoder. Offers int8 KV caches.
-FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20, kv_dtypes=("int8",))
+# rings) that ``supports`` accepts: before the general HFDecoder. Offers int8 KV caches and quantized weights.
+FAMILY = Family("llama", MODEL_TYPES, supports, _build, priority=20, kv_dtypes=("int8",), quant=True)

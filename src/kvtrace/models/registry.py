@@ -6,6 +6,9 @@ A family is a predicate on the HF config plus a builder of its Decoder (``spec.d
            build(model, *, max_seq_len, batch_size, image_tokens) -> Decoder, priority, vision,
            refusal(config) -> str | None: why it says no, named in the error when no family does, kv_dtypes)
 
+``quant``: its Decoder owns its weights (copied from the HF model), so quantized weights
+(``models.quant``) can replace its linear layers without touching the caller's model.
+
 ``kv_dtypes``: the quantized caches (``CacheSpec.kv_dtype``, e.g. ``"int8"``) its builder takes as
 ``build(..., kv_dtype=...)``; ``make_decoder`` refuses any other for that family (UnsupportedError).
 
@@ -44,6 +47,7 @@ class Family:
     vision: bool = False  # takes image_tokens (cross-attention over image features)
     refusal: Callable[[Any], str | None] | None = None  # why ``supports`` says no (one clause), for the error
     kv_dtypes: tuple[str, ...] = ()  # quantized caches build(..., kv_dtype=) accepts, e.g. ("int8",)
+    quant: bool = False  # its Decoder owns its weights, so ``models.quant.quantize_decoder`` may rewrite it
 
 
 _registered: list[Family] = []

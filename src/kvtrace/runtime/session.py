@@ -81,8 +81,9 @@ class Session:
                  vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None,
                  prefill_logits: str = "all", key_pos: bool = False, identity: str | None = None,
                  cuda_graphs: bool = False, capturer: Capturer | None = None,
-                 graph_buckets: Sequence[int] | None = None):
+                 graph_buckets: Sequence[int] | None = None, quant: Any = None):
         self.spec = spec
+        self.quant = quant  # the programs' quantized weights (spec.quant.QuantSpec), None: none; verify reads it
         self.identity = identity if identity is not None else f"programs:{id(prefill):x}:{id(decode):x}"
         self._busy = threading.Lock()  # held for the duration of every call that reads or writes the cache
         self._key_pos = key_pos  # prefill and decode take key_pos [L] after input_pos (ProgramSpec.key_pos)

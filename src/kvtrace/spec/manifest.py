@@ -23,6 +23,7 @@ from kvtrace._errors import ArtifactError
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.device import DEVICE_TYPES
 from kvtrace.spec.program import ProgramSpec
+from kvtrace.spec.quant import QuantSpec
 
 __all__ = ["FORMAT", "MANIFEST", "TOKENIZER", "VERSION", "WEIGHTS", "Manifest", "ModelInfo", "clip", "compare_inputs",
            "describe", "expected_inputs", "short"]
@@ -57,6 +58,7 @@ class Manifest(ModelInfo):
     programs: dict[str, ProgramSpec]  # name -> spec; always "prefill" and "decode", maybe more
     generation: dict[str, Any] = field(default_factory=dict)  # defaults: temperature, top_k, top_p, ...
     weight_aliases: dict[str, str] = field(default_factory=dict)  # tied weights: name -> stored name
+    quant: QuantSpec | None = None  # quantized weights: scheme and each module's format; None: none (omitted)
     kvtrace_version: str = ""
     torch_version: str = ""
     export_seconds: float = 0.0
@@ -81,6 +83,10 @@ class Manifest(ModelInfo):
         d["programs"] = {name: p.to_dict() for name, p in self.programs.items()}
         if self.device == "cpu":
             del d["device"]
+        if self.quant is None:
+            d.pop("quant")  # unquantized artifacts read as before
+        else:
+            d["quant"] = self.quant.to_dict()
         return json.dumps({"format": FORMAT, "version": VERSION, **d}, indent=2, sort_keys=True)
 
     @classmethod
@@ -111,6 +117,8 @@ class Manifest(ModelInfo):
         except (AttributeError, TypeError, ValueError) as e:
             raise ArtifactError(f"manifest programs are malformed ({clip(str(e))}); re-export the artifact") from e
         d["eos_ids"] = tuple(d.get("eos_ids", ()))
+        if "quant" in d:
+            d["quant"] = QuantSpec.from_dict(d["quant"])
         return cls(**d)  # the backend name is checked against the registry by the reader
 
 
@@ -179,6 +187,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
         x is None or (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)) for x in v.values()),
         "an object of numbers or nulls"),
     "weight_aliases": (_dict_of(lambda x: isinstance(x, str)), "an object of strings"),
+    "quant": (lambda v: isinstance(v, dict), "an object"),
     "kvtrace_version": (lambda v: isinstance(v, str), "a string"),
     "torch_version": (lambda v: isinstance(v, str), "a string"),
     "export_seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),

@@ -21,6 +21,11 @@ differently flips ``round(x / scale)`` where x / scale is near a .5 tie (seen on
 model's layer-0 K, exactly one step), and one step of any row is at most ``max|ref| / 127`` (times the
 float16 scale's rounding, 1 + 2**-11). Anything a stale or skipped scale does is far larger.
 
+Quantized weights (``kvtrace export --quant``) are judged the same way, against the same quantized weights
+run eagerly (dequantized, plain matmuls): ``quant_tolerance``. The int8/int4/8da4w kernels compute with bf16
+activations, so those get the bf16 tolerance and its second route, whose fp32 reference is the same
+quantized weights with float32 activations; a GGUF's blocks, computed in float32, get the float32 tolerance.
+
 The int8 cache vs the unquantized cache (the HF model's own, eager) is reported, not judged. What bounds
 it: a layer's K/V whose inputs are exact (layer 0) is within half a step, ``INT8_HALF_STEP * max|x|``, of
 the unquantized value; later layers add the propagated attention error.
@@ -32,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["INT8_HALF_STEP", "Judgement", "Tolerance", "close", "judge", "kv_tolerance", "tolerance_for"]
+__all__ = ["INT8_HALF_STEP", "Judgement", "Tolerance", "close", "judge", "kv_tolerance", "quant_tolerance",
+           "tolerance_for"]
 
 
 @dataclass(frozen=True)
@@ -64,11 +70,19 @@ _INT8_STEP = (1 + 2**-11) / 127  # one int8 step of a row, relative to the row's
 INT8_HALF_STEP = _INT8_STEP / 2  # round-to-nearest: |x - q * scale| <= scale / 2
 
 
-def kv_tolerance(dtype: torch.dtype, kv_dtype: str | None = None) -> Tolerance:
-    """What cache contents are judged with: the dtype's tolerance, or for an int8 cache (compared dequantized,
-    against the same decoder's eager int8 cache) that plus one int8 step of max|ref|."""
-    base = tolerance_for(dtype)
+def kv_tolerance(dtype: torch.dtype, kv_dtype: str | None = None, base: Tolerance | None = None) -> Tolerance:
+    """What cache contents are judged with: the dtype's tolerance (or ``base``), or for an int8 cache (compared
+    dequantized, against the same decoder's eager int8 cache) that plus one int8 step of max|ref|."""
+    base = base or tolerance_for(dtype)
     return base if kv_dtype is None else Tolerance(atol=base.atol, rtol=base.rtol + _INT8_STEP)
+
+
+def quant_tolerance(dtype: torch.dtype, activations: str) -> Tolerance:
+    """Quantized weights (``spec.quant``), judged against the same quantized weights run eagerly: their kernels
+    take bf16 activations ("bfloat16", "int8-dynamic"), so the bf16 tolerance with the second route (an fp32
+    reference: the same quantized weights with float32 activations); a GGUF's blocks computed in float32
+    ("float32") get the dtype's own tolerance."""
+    return tolerance_for(dtype) if activations == "float32" else tolerance_for(torch.bfloat16)
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -65,6 +65,7 @@ class BenchResult:
     dtype: str
     prompt_len: int
     new_tokens: int
+    quant: str = "none"  # the artifact's quantized weights (``QuantSpec.key``), "none" for none
     load_s: float = 0.0
     compile_s: float = 0.0
     prefill_ms: float = 0.0  # median
@@ -77,6 +78,7 @@ class BenchResult:
     tokens_match_eager: bool | None = None
     first_mismatch: int | None = None
     bound_fraction: float | None = None  # decode tok/s x bytes/token / bandwidth
+    bytes_per_token: int | None = None  # what one decode step reads: every weight once (as stored) + live K/V
     vs_hf_eager: float | None = None
     position_sweep: list[tuple[int, float]] = field(default_factory=list)  # (context position, decode tok/s)
     measured_in: str = "this process"  # or "fresh process" (artifact backends, see the module docstring)
@@ -234,9 +236,10 @@ IN_PROCESS: dict[str, Callable[[torch.nn.Module, int], _Stepper]] = {
 
 def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str,
           load_session: bool = True, device: torch.device | None = None, cuda_graphs: bool = False,
-          artifact: Path | None = None) -> _Stepper:
+          artifact: Path | None = None, quant: str = "none") -> _Stepper:
     """The backend ready to run; for artifact backends with ``load_session=False``, only the built file.
-    ``cuda_graphs``: the artifact's session decodes from CUDA graphs; ``artifact``: one already built."""
+    ``cuda_graphs``: the artifact's session decodes from CUDA graphs; ``artifact``: one already built;
+    ``quant``: the artifact's quantized weights (``export``'s ``quant``)."""
     if backend in IN_PROCESS:
         return IN_PROCESS[backend](model, max_seq_len)
     device = device if device is not None else torch.device("cpu")
@@ -252,13 +255,13 @@ def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, d
         workdir = tempfile.TemporaryDirectory(prefix="kvtrace-bench-")
         path = Path(workdir.name) / f"{backend}.kvt"
         export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last",
-               device=device)
+               device=device, quant=quant)
     else:
         from kvtrace.artifact.store import cached_artifact
 
         # load=True: a cached entry that fails its integrity check is rebuilt, as for generate
         path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True,
-                               device=device.type).path
+                               device=device.type, quant=quant).path
     if not load_session:
         def unloaded(*_: Any) -> Any:
             raise RuntimeError("this artifact is measured in another process")
@@ -390,6 +393,34 @@ def _bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
     return total + 2 * n_layers * n_kv * head_dim * ctx * elt  # weights + live K/V
 
 
+def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_seq_len: int, ctx: int) -> int:
+    """``_bytes_per_token`` of the model with ``quant``'s weights: every weight of its quantized decoder once, as
+    stored (int8 / packed int4 / GGUF blocks and their scales; norms and unquantized tensors in their dtype)."""
+    from kvtrace.cache.hf import kv_geometry
+    from kvtrace.models import quant as q
+    from kvtrace.models.registry import make_decoder
+    from kvtrace.spec.quant import parse_quant
+
+    decoder = make_decoder(model, max_seq_len=max_seq_len)
+    blocks = None
+    if quant == "gguf":
+        from kvtrace.sources.gguf_blocks import GGUFBlocks
+        from kvtrace.sources.resolve import resolve_source
+
+        blocks = GGUFBlocks(resolve_source(source).path)
+    q.quantize_decoder(decoder, parse_quant(quant), gguf=blocks)
+    kinds = (q.Int8Linear, q.Int4Linear, q.GGUFLinear, q.Int8Embedding, q.GGUFEmbedding)
+    tensors = [*decoder.parameters(), *(b for m in decoder.modules() if isinstance(m, kinds) for b in m.buffers())]
+    seen, total = set(), 0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    n_layers, n_kv, head_dim = kv_geometry(model.config)
+    elt = next(model.parameters()).element_size()
+    return total + 2 * n_layers * n_kv * head_dim * ctx * elt
+
+
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
     old = torch.get_num_threads()
@@ -406,17 +437,26 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
               new_tokens: int = 128, dtypes: tuple[str, ...] = ("float32",), runs: int = 3,
               max_seq_len: int = 1024, threads: int | None = None, sweep: bool = False,
               fresh_process: bool = True, device: str | torch.device = "cpu", cuda_graphs: bool = False,
+              quants: tuple[str, ...] = ("none",),
               progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
-    """Run every (dtype, prompt length, backend) and return a JSON-able dict with a ``results`` list.
+    """Run every (dtype, prompt length, backend, quantization) and return a JSON-able dict with a ``results``
+    list.
 
     ``fresh_process``: measure artifact backends in a new process (see the module docstring).
     ``device``: where every backend runs (the model is moved there on a copy; artifacts are compiled for it).
     ``cuda_graphs``: each artifact backend is measured again with decode replayed from CUDA graphs, from the
-    same artifact (rows ``<backend>+graphs``).
+    same artifact (rows ``<backend>+graphs``). ``quants``: weight quantizations (``export``'s ``quant``; "none"
+    for none) of the artifact backends, one row each; HF and jit rows run unquantized only. Each row's bandwidth
+    bound counts the bytes its weights take as stored.
     """
     from kvtrace.artifact.export import DTYPES
     from kvtrace.spec.device import check_available, concrete
     from kvtrace.spec.device import resolve as resolve_device
+    from kvtrace.spec.quant import SCHEMES
+
+    bad_q = sorted(set(quants) - {"none", *SCHEMES})
+    if bad_q:
+        raise UsageError(f"unknown quantizations {bad_q}; choose from {['none', *SCHEMES]}")
 
     known = (*IN_PROCESS, *_artifact_backends())
     bad = sorted(set(backends) - set(known))
@@ -448,7 +488,10 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     raise UsageError(f"prompt {plen} + new tokens {new_tokens} exceed --max-seq-len {max_seq_len}")
                 ids = _random_ids(m.config.vocab_size, plen, seed=0)
                 ref_tokens: list[int] | None = None
-                for b in backends:
+                per_quant: dict[str, int] = {}
+                runs_of = [(b, qn) for b in backends
+                           for qn in (quants if b in _artifact_backends() else ("none",))]
+                for b, qn in runs_of:
                     gc.collect()
                     _reset_peak_rss()
                     s = None
@@ -456,23 +499,24 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     graph_rows = (False, True) if cuda_graphs and b in _artifact_backends() else (False,)
                     positions = sweep_positions(max_seq_len) if sweep else ()
                     try:
-                        with progress(f"{b} {dtype} prompt {plen}: build"):
+                        label = f"{b} {dtype}{'' if qn == 'none' else ' ' + qn} prompt {plen}"
+                        with progress(f"{label}: build"):
                             t0 = time.perf_counter()
                             s = _make(b, m, model_source if model is None else None, max_seq_len, dtype,
-                                      load_session=not fresh, device=dev)
+                                      load_session=not fresh, device=dev, quant=qn)
                             build_s = time.perf_counter() - t0
                     except Exception as e:  # one backend failing must not hide the others' numbers
                         for graphs in graph_rows:
                             results.append(BenchResult(b + ("+graphs" if graphs else ""), dtype, plen, new_tokens,
-                                                       load_s=round(load_s, 2), error=f"{type(e).__name__}: {e}"[:300]))
+                                                       quant=qn, load_s=round(load_s, 2), error=f"{type(e).__name__}: {e}"[:300]))
                         continue
                     for graphs in graph_rows:
-                        r = BenchResult(b + ("+graphs" if graphs else ""), dtype, plen, new_tokens,
+                        r = BenchResult(b + ("+graphs" if graphs else ""), dtype, plen, new_tokens, quant=qn,
                                         load_s=round(load_s, 2))
                         where = "a fresh process" if fresh else "this process"
                         try:
-                            with progress(f"{r.backend} {dtype} prompt {plen}: {runs} runs x {new_tokens} tokens in "
-                                          f"{where}"):
+                            with progress(f"{label}{' +graphs' if graphs else ''}: {runs} runs x {new_tokens} "
+                                          f"tokens in {where}"):
                                 if fresh:
                                     got = _measure_fresh(s.artifact, ids, new_tokens, runs, m.config.vocab_size,
                                                          positions, torch.get_num_threads(), dev, graphs)
@@ -486,7 +530,14 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                             r.error = f"{type(e).__name__}: {e}"[:300]
                             results.append(r)
                             continue
-                        _fill(r, got, fresh, s, m, bw, plen)
+                        ctx = plen + new_tokens // 2
+                        if qn == "none":
+                            per_tok = _bytes_per_token(m, ctx)
+                        else:
+                            if qn not in per_quant:
+                                per_quant[qn] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx)
+                            per_tok = per_quant[qn]
+                        _fill(r, got, fresh, s, bw, per_tok)
                         if b == BASELINE:
                             ref_tokens = r.tokens
                         if ref_tokens is not None:
@@ -509,9 +560,9 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     }
 
 
-def _fill(r: BenchResult, got: dict[str, Any], fresh: bool, s: _Stepper, m: torch.nn.Module, bw: float,
-          plen: int) -> None:
-    """A measured row's numbers (``got`` from ``_measure``) and its fraction of the bandwidth bound."""
+def _fill(r: BenchResult, got: dict[str, Any], fresh: bool, s: _Stepper, bw: float, per_tok: int) -> None:
+    """A measured row's numbers (``got`` from ``_measure``) and its fraction of the bandwidth bound, reading
+    ``per_tok`` bytes per decoded token."""
     pre = [x * 1e3 for x in got["prefill_s"]]
     dec = got["decode_tok_s"]
     r.prefill_ms, r.prefill_ms_range = statistics.median(pre), (min(pre), max(pre))
@@ -522,7 +573,7 @@ def _fill(r: BenchResult, got: dict[str, Any], fresh: bool, s: _Stepper, m: torc
     r.recompiles = s.recompiles()
     if s.artifact is not None:
         r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
-    per_tok = _bytes_per_token(m, plen + r.new_tokens // 2)
+    r.bytes_per_token = per_tok
     r.bound_fraction = round(r.decode_tok_s * per_tok / (bw * 1e9), 3)
 
 
@@ -541,6 +592,7 @@ def run_cli_bench(args: Any, ui: Any) -> int:
         prompt_lens=tuple(int(x) for x in str(args.prompt_len).split(",")),
         new_tokens=args.new_tokens,
         dtypes=tuple(d.strip() for d in args.dtype.split(",")),
+        quants=tuple(q.strip() for q in args.quant.split(",")),
         runs=args.runs,
         max_seq_len=args.max_seq_len,
         threads=args.threads,

@@ -10,23 +10,26 @@ from kvtrace._errors import UsageError
 __all__ = ["COLUMNS", "plot", "render", "render_markdown"]
 
 
-COLUMNS = ("backend", "dtype", "prompt", "compile s", "prefill ms", "decode tok/s", "x hf-eager", "of bound",
-           "peak RSS MiB", "recompiles", "tokens = eager", "measured in")
+COLUMNS = ("backend", "dtype", "quant", "prompt", "compile s", "prefill ms", "decode tok/s", "x hf-eager", "of bound",
+           "MB/token", "artifact MiB", "peak RSS MiB", "recompiles", "tokens = eager", "measured in")
+_HEAD = 4  # backend, dtype, quant, prompt: shown for an error row too
 
 
 def _rows(data: dict[str, Any]) -> list[tuple[list[str], str]]:
     """(cells, error) per result, cells in ``COLUMNS`` order (blank but the first three for an error)."""
     out = []
     for r in data["results"]:
-        head = [r["backend"], r["dtype"], str(r["prompt_len"])]
+        head = [r["backend"], r["dtype"], r.get("quant", "none"), str(r["prompt_len"])]
         if r["error"]:
-            out.append((head + [""] * (len(COLUMNS) - 3), r["error"]))
+            out.append((head + [""] * (len(COLUMNS) - _HEAD), r["error"]))
             continue
         lo, hi = r["decode_tok_s_range"]
         out.append(([
             *head, f"{r['compile_s']:.1f}", f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.1f} ({lo:.1f}-{hi:.1f})",
             f"{r['vs_hf_eager']:.2f}" if r["vs_hf_eager"] else "",
-            f"{r['bound_fraction']:.2f}" if r["bound_fraction"] is not None else "", f"{r['peak_rss_mib']:.0f}",
+            f"{r['bound_fraction']:.2f}" if r["bound_fraction"] is not None else "",
+            f"{r['bytes_per_token'] / 1e6:.0f}" if r.get("bytes_per_token") else "",
+            f"{r['artifact_mib']:.0f}" if r.get("artifact_mib") is not None else "–", f"{r['peak_rss_mib']:.0f}",
             str(r["recompiles"]), "yes" if r["tokens_match_eager"] else f"no (at {r['first_mismatch']})",
             r.get("measured_in", "this process"),
         ], ""))
@@ -49,7 +52,7 @@ def render(data: dict[str, Any]) -> Any:
         t.add_column(col)
     for cells, error in _rows(data):
         if error:
-            cells = [*cells[:3], "", "", f"[red]{error[:60]}[/red]", *cells[6:]]
+            cells = [*cells[:_HEAD], "", "", f"[red]{error[:60]}[/red]", *cells[_HEAD + 3:]]
         t.add_row(*cells)
     return t
 
@@ -59,7 +62,7 @@ def render_markdown(data: dict[str, Any]) -> str:
     lines = [_title(data), "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for cells, error in _rows(data):
         if error:
-            cells = [*cells[:3], f"error: {error}".replace("|", "/"), *cells[4:]]
+            cells = [*cells[:_HEAD], f"error: {error}".replace("|", "/"), *cells[_HEAD + 1:]]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -77,7 +80,8 @@ def plot(data: dict[str, Any], path: str | Path) -> None:
     for r in data["results"]:
         if r["position_sweep"]:
             xs, ys = zip(*r["position_sweep"], strict=True)
-            ax.plot(xs, ys, marker="o", label=f"{r['backend']} {r['dtype']}")
+            quant = '' if r.get('quant', 'none') == 'none' else f" {r['quant']}"
+            ax.plot(xs, ys, marker="o", label=f"{r['backend']} {r['dtype']}{quant}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context position")
     ax.set_ylabel("decode tokens/s")

@@ -34,7 +34,14 @@ from typing import Any
 
 import torch
 
-from kvtrace.spec.tolerances import Tolerance, judge, kv_tolerance, max_abs_diff, tolerance_for
+from kvtrace.spec.tolerances import (
+    Tolerance,
+    judge,
+    kv_tolerance,
+    max_abs_diff,
+    quant_tolerance,
+    tolerance_for,
+)
 from kvtrace.tools.runners import EagerRunner, JitRunner, LayerKV, Prompt, Runner, SessionRunner, Unavailable
 
 __all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "Unavailable", "VerifyReport",
@@ -231,6 +238,7 @@ def verify(
     dtype: torch.dtype = torch.float32,
     fp32: Runner | None = None,
     kv_dtype: str | None = None,
+    quant: str | None = None,
 ) -> VerifyReport:
     """Run every prompt (reset before each) through reference and candidates; compare every step.
 
@@ -238,18 +246,22 @@ def verify(
     (for a bf16/fp16 ``dtype`` only): the reference's model in float32, fed the same tokens, which
     enables the reduced-precision route of ``kvtrace.spec.tolerances``. ``kv_dtype``: the candidates hold a
     quantized cache ("int8") and the reference is the same decoder with the same cache: cache contents are
-    judged with ``kv_tolerance`` (one int8 step) instead of the dtype's tolerance."""
+    judged with ``kv_tolerance`` (one int8 step) instead of the dtype's tolerance. ``quant``: the candidates'
+    quantized weights compute with these activations ("bfloat16", "int8-dynamic", "float32") and the reference
+    is the same quantized weights run eagerly: ``quant_tolerance``; with bf16 activations ``fp32`` may be the
+    same weights with float32 activations."""
     from kvtrace._errors import UsageError
 
-    tol = tolerance_for(dtype)
-    kv_tol = kv_tolerance(dtype, kv_dtype) if kv_dtype is not None else None
-    if fp32 is not None and dtype == torch.float32:
+    tol = quant_tolerance(dtype, quant) if quant is not None else tolerance_for(dtype)
+    kv_tol = kv_tolerance(dtype, kv_dtype, tol) if kv_dtype is not None else None
+    if fp32 is not None and tol == tolerance_for(dtype) and dtype == torch.float32:
         raise UsageError("an fp32 reference only applies to reduced-precision runs (bfloat16, float16); "
                          "this run is float32, whose eager reference is already the fp32 one")
     rule = str(tol) + (", or no further from fp32 than eager is (+ the same tolerance)" if fp32 is not None else "")
     report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": rule,
                                      "fp32_reference": str(fp32 is not None).lower(),
-                                     **({"kv_rule": str(kv_tol)} if kv_tol is not None else {})},
+                                     **({"kv_rule": str(kv_tol)} if kv_tol is not None else {}),
+                                     **({"quant_rule": f"{quant} activations: {rule}"} if quant is not None else {})},
                           dtype=str(dtype).removeprefix("torch."))
     with torch.inference_mode():
         for p_idx, prompt in enumerate(prompts):
@@ -316,7 +328,9 @@ def render(report: VerifyReport) -> Any:
         title=f"kvtrace verify ({report.dtype}; pass if max|a-b| <= {report.tolerance['rule']})",
         caption=f"{verdict}: {len(summary) - len(failed)}/{len(summary)} candidate(s) within the {report.dtype} "
                 f"tolerance {report.tolerance['rule']}" + (f"; failed: {', '.join(failed)}" if failed else "")
-                + (f"; int8 caches: K/V within {kv_rule} of the same decoder's eager int8 cache" if kv_rule else ""),
+                + (f"; int8 caches: K/V within {kv_rule} of the same decoder's eager int8 cache" if kv_rule else "")
+                + (f"; quantized weights vs the same quantized weights eager, {report.tolerance['quant_rule']}"
+                   if "quant_rule" in report.tolerance else ""),
     )
     with_fp32 = report.tolerance.get("fp32_reference") == "true"
     for col in ("candidate", "steps", "logits max abs", "worst step", "top-1 agree", "greedy tokens",
@@ -335,7 +349,8 @@ def render(report: VerifyReport) -> Any:
         )
     if report.vs_fp32 is None:
         return t
-    u = Table(title=f"int8 KV cache vs the unquantized cache ({report.vs_fp32.dtype}, HF eager): reported, not judged")
+    u = Table(title=f"quantized candidates (int8 KV cache, quantized weights) vs the unquantized model "
+                    f"({report.vs_fp32.dtype}, HF eager): reported, not judged")
     for col in ("candidate", "logits max abs", "top-1 agree", "greedy tokens", "K/V max abs", "worst K/V"):
         u.add_column(col, overflow="fold")
     for s in report.vs_fp32.unjudged():
@@ -427,7 +442,9 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
                     with step(f"exporting ({a})"):
                         path = export(lm.model, Path(tmp) / f"{a}.kvt", max_seq_len=max_seq_len, dtype=args.dtype,
                                       backend=a, image_tokens=image_tokens, kv_dtype=getattr(args, "kv_dtype", None),
-                                      device=device)
+                                      device=device, quant=getattr(args, "quant", None),
+                                      quant_head=getattr(args, "quant_head", True),
+                                      quant_group_size=getattr(args, "quant_group_size", None))
                     cands.append(SessionRunner(load(path, device=device).session(), a))
                 except Exception as e:  # reported in the table; the other candidates still run
                     cands.append(Unavailable(a, f"export ({a}) {_describe(e)}"))

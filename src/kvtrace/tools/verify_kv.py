@@ -1,4 +1,5 @@
-"""verify with the reference each candidate's cache asks for: an int8 KV cache picks its own.
+"""verify with the reference each candidate's cache and weights ask for: an int8 KV cache or quantized
+weights pick their own.
 
 A candidate whose Session declares a quantized cache (``CacheSpec.kv_dtype``, e.g. an artifact exported with
 ``kv_dtype="int8"``) cannot match the HF model's unquantized cache to the dtype's tolerance, so it is judged
@@ -7,6 +8,12 @@ same quantized cache: only capture and compilation differ), with ``kv_tolerance`
 (one int8 step). Its error vs the unquantized cache — the HF model eager, the usual reference — is measured
 on the same prompts and attached as ``VerifyReport.vs_fp32``: reported, not judged. Every other candidate
 is judged against the HF model eager as before. Rows name their reference (``StepRow.reference``).
+
+Quantized weights (``Session.quant``, from the artifact's manifest) are judged the same way: against the same
+decoder with the same quantized weights (dequantized from the source by the recorded formats, computed by plain
+matmuls with the programs' activation rounding) and ``quant_tolerance``; bf16-activation kernels also get the
+second route, whose fp32 reference is the same quantized weights with float32 activations. Their error vs the
+unquantized model (the HF model eager; for a GGUF, its dequantized weights) goes to ``vs_fp32``.
 """
 
 from __future__ import annotations
@@ -19,10 +26,11 @@ import torch
 
 from kvtrace._errors import UsageError
 from kvtrace.spec.cache import CacheSpec
+from kvtrace.spec.quant import QuantSpec
 from kvtrace.tools.runners import DecoderRunner, Prompt, Runner
 from kvtrace.tools.verify import VerifyReport, verify
 
-__all__ = ["decoder_reference", "quantized_spec", "verify_by_cache"]
+__all__ = ["decoder_reference", "quantized_spec", "verify_by_cache", "weight_quant"]
 
 
 def quantized_spec(runner: Runner) -> CacheSpec | None:
@@ -31,8 +39,18 @@ def quantized_spec(runner: Runner) -> CacheSpec | None:
     return spec if isinstance(spec, CacheSpec) and spec.kv_dtype is not None else None
 
 
-def decoder_reference(model: torch.nn.Module, spec: CacheSpec, name: str | None = None) -> DecoderRunner:
-    """The model's decoder over exactly ``spec`` (its kv_dtype, max_seq_len, batch, dtype), run eagerly."""
+def weight_quant(runner: Runner) -> QuantSpec | None:
+    """The quantized weights of a runner's Session (an artifact exported with ``quant=``), else None."""
+    q = getattr(getattr(runner, "session", None), "quant", None)
+    return q if isinstance(q, QuantSpec) else None
+
+
+def decoder_reference(model: torch.nn.Module, spec: CacheSpec, name: str | None = None,
+                      quant: QuantSpec | None = None, activations: str | None = None) -> DecoderRunner:
+    """The model's decoder over exactly ``spec`` (its kv_dtype, max_seq_len, batch, dtype), run eagerly; with
+    ``quant``, over the same quantized weights (dequantized, ``quantize_decoder(reference=True)``, the modules
+    ``quant`` records), with the programs' activation rounding or ``activations``."""
+    from kvtrace.models.quant import quantize_decoder
     from kvtrace.models.registry import make_decoder
 
     if any(p.dtype != spec.torch_dtype for p in model.parameters() if p.is_floating_point()):
@@ -40,31 +58,38 @@ def decoder_reference(model: torch.nn.Module, spec: CacheSpec, name: str | None 
     decoder = make_decoder(model, max_seq_len=spec.max_seq_len, batch_size=spec.batch_size, kv_dtype=spec.kv_dtype)
     decoder = decoder.to(next(model.parameters()).device)  # where the model (and so the candidates) run
     if decoder.cache_spec != spec:
-        raise UsageError(f"this model's {spec.kv_dtype} decoder declares the cache {decoder.cache_spec.describe()}, the "
+        raise UsageError(f"this model's decoder declares the cache {decoder.cache_spec.describe()}, the "
                          f"candidate {spec.describe()}; verify the artifact against the model it was exported from")
-    return DecoderRunner(decoder, name or f"decoder-eager-{spec.kv_dtype}")
+    if quant is not None:
+        quantize_decoder(decoder, quant, reference=True, activations=activations)
+    what = "-".join(x for x in (quant.key if quant else None, spec.kv_dtype) if x)
+    return DecoderRunner(decoder, name or f"decoder-eager-{what}")
 
 
 def verify_by_cache(model: torch.nn.Module, eager: Runner, candidates: Sequence[Runner],
                     prompts: Sequence[Sequence[int] | torch.Tensor | Prompt], *, steps: int = 8,
                     dtype: torch.dtype = torch.float32, fp32: Runner | None = None) -> VerifyReport:
     """``verify`` of every candidate against its reference: ``eager`` (the HF ``model`` eager; ``fp32`` its
-    float32 copy for bf16 runs) for unquantized caches, ``decoder_reference`` for each quantized CacheSpec.
+    float32 copy for bf16 runs) for unquantized caches and weights, ``decoder_reference`` for each quantized
+    CacheSpec and each quantization of the weights (the same decoder, cache and quantized weights, eager).
     One report: the rows of every group, and the quantized candidates vs ``eager`` in ``vs_fp32``."""
-    plain = [c for c in candidates if quantized_spec(c) is None]
-    groups: dict[CacheSpec, list[Runner]] = {}
+    plain = [c for c in candidates if quantized_spec(c) is None and weight_quant(c) is None]
+    groups: dict[tuple[CacheSpec, QuantSpec | None], list[Runner]] = {}
     for c in candidates:
-        spec = quantized_spec(c)
-        if spec is not None:
-            groups.setdefault(spec, []).append(c)
+        if c in plain:
+            continue
+        spec = c.session.spec  # type: ignore[attr-defined]  # quantized: a Session runner
+        groups.setdefault((spec, weight_quant(c)), []).append(c)
     report = verify(eager, plain, prompts, steps=steps, dtype=dtype, fp32=fp32) if plain or not groups else None
-    for spec, cands in groups.items():
+    for (spec, quant), cands in groups.items():
         high = None
-        if dtype != torch.float32 and fp32 is not None:  # the same int8 decoder in float32: the second route
-            high = decoder_reference(model, dataclasses.replace(spec, dtype="float32"), "decoder-eager-fp32")
-        judged = verify(decoder_reference(model, spec), cands, prompts, steps=steps, dtype=dtype, fp32=high,
-                        kv_dtype=spec.kv_dtype)
-        measured = verify(eager, cands, prompts, steps=steps, dtype=dtype)  # vs the unquantized cache
+        if quant is not None and quant.activations != "float32":  # same weights, float32 activations
+            high = decoder_reference(model, spec, "decoder-eager-fp32-activations", quant, activations="float32")
+        elif dtype != torch.float32 and fp32 is not None:  # the same decoder in float32: the second route
+            high = decoder_reference(model, dataclasses.replace(spec, dtype="float32"), "decoder-eager-fp32", quant)
+        judged = verify(decoder_reference(model, spec, quant=quant), cands, prompts, steps=steps, dtype=dtype,
+                        fp32=high, kv_dtype=spec.kv_dtype, quant=quant.activations if quant else None)
+        measured = verify(eager, cands, prompts, steps=steps, dtype=dtype)  # vs the unquantized model
         report = _merge(report, judged, measured)
     assert report is not None
     return report
@@ -74,7 +99,9 @@ def _merge(into: VerifyReport | None, judged: VerifyReport, measured: VerifyRepo
     if into is None:
         into = VerifyReport(tolerance=dict(judged.tolerance), dtype=judged.dtype)
     into.rows.extend(judged.rows)
-    into.tolerance.setdefault("kv_rule", judged.tolerance.get("kv_rule", ""))
+    for k in ("kv_rule", "quant_rule"):
+        if k in judged.tolerance:
+            into.tolerance.setdefault(k, judged.tolerance[k])
     if into.vs_fp32 is None:
         into.vs_fp32 = VerifyReport(tolerance=dict(measured.tolerance), dtype=measured.dtype)
     into.vs_fp32.rows.extend(measured.rows)

@@ -1,0 +1,356 @@
+"""Quantized weights for kvtrace's own decoders: linear layers and the embedding / output head stored
+quantized and computed by kernels torch already ships (see ``spec/quant.py`` for the schemes).
+
+``quantize_decoder(decoder, spec)`` replaces, in place, every ``nn.Linear`` of a decoder that owns its
+weights (and, with ``spec.head``, its ``nn.Embedding`` and the head tied to it) by one of:
+
+- ``Int8Linear``: weight int8 ``[N, K]``, scale ``[N]`` bf16 -> ``aten._weight_int8pack_mm`` (bf16 activations);
+- ``Int4Linear``: weight in the CPU int4pack layout ``[N, K/2]`` uint8 and ``scale_zeros [K/g, N, 2]`` bf16 ->
+  ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations), ``w = (q - 8) * scale + zero``; 8da4w quantizes
+  each activation row to int8 first;
+- ``GGUFLinear``: a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (``q [N, K/32, 32]``, float16 ``d`` and ``m``
+  ``[N, K/32]``), computed in float32. A one-row call (decode) is a fused dequantize-multiply-reduce that
+  Inductor generates from the expression below, reading the blocks once; more rows (prefill) dequantize the
+  weight (``d * q + m`` in float32, bit for bit what gguf's dequantize gives) and multiply it with ATen;
+- ``Int8Embedding`` / ``GGUFEmbedding``: the embedding rows gathered and dequantized; a tied head shares
+  their buffers (stored once).
+
+The kernels take bfloat16 activations: their float32 paths are scalar reference loops (~30-60x slower
+on SmolLM2's shapes, measured), and Inductor's CPU WOQ GEMM templates take bf16 only. So int8/int4/8da4w
+programs round each quantized matmul's input and output to bf16; the rest of the model (norms, attention,
+the cache, residuals) stays in the model's dtype.
+
+``reference=True`` builds what ``kvtrace verify`` compares a quantized program with: the same modules with
+their weights dequantized to float32 (``DequantLinear`` / ``nn.Embedding``), computed by plain ``F.linear``
+with the same activation rounding, from the source weights by the same quantizer but without any kernel
+layout (packing), so a packing fault (a wrong group size, a dropped zero) shows. ``activations="float32"``
+gives the same weights with float32 activations: the second route of the bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtrace._errors import UnsupportedError
+from kvtrace.spec.quant import QuantSpec
+
+__all__ = ["DequantLinear", "GGUFEmbedding", "GGUFLinear", "GGUFRows", "Int4Linear", "Int8Embedding", "Int8Linear",
+           "dequantize_int4", "pack_int4", "quantize_decoder", "quantize_int4", "quantize_int8"]
+
+BF16 = torch.bfloat16
+# gguf: a lookup from a float32 weight [N, K] to its GGUF blocks: (format, q [N, K/32, 32], d [N, K/32], m or None),
+# or (None, why) when its rows are not all blocks of one kept type
+GGUFRows = Callable[[torch.Tensor], tuple[Any, ...]]
+
+
+# --- quantizers: float32 weights -> logical (q, scale, zero); no kernel layout ---------------------------
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scale bf16 [N]): symmetric per row, q = round(w / scale) against the
+    stored (bf16) scale."""
+    w = w.float()
+    scale = (w.abs().amax(dim=1) / 127).clamp(min=1e-10).to(BF16)  # [N]
+    q = torch.round(w / scale.float()[:, None]).clamp(-128, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group_size: int, symmetric: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q uint8 [N, K] in 0..15, scale bf16 [N, K/g], zero bf16 [N, K/g]) with
+    ``w ~ (q - 8) * scale + zero``. Asymmetric: min/max per group (torchao's int4 weight-only choice);
+    symmetric (8da4w): zero 0, scale = max|w| / 7.5, q - 8 in -8..7."""
+    n, k = w.shape
+    g = w.float().reshape(n, k // group_size, group_size)
+    if symmetric:
+        scale = (g.abs().amax(-1) / 7.5).clamp(min=1e-10).to(BF16)
+        zero = torch.zeros_like(scale)
+    else:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-10).to(BF16)
+        zero = (lo + 8 * scale.float()).to(BF16)
+    q = torch.round((g - zero.float()[..., None]) / scale.float()[..., None]) + 8
+    return q.clamp(0, 15).to(torch.uint8).reshape(n, k), scale, zero
+
+
+def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(q [N, K] 0..15, scale, zero [N, K/g]) -> w float32 [N, K] = (q - 8) * scale + zero."""
+    n, k = q.shape
+    g = q.reshape(n, scale.shape[1], -1).float() - 8
+    return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU int4pack kernel's layout: (weight uint8 [N, K/2], scale_zeros bf16 [K/g, N, 2])."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    return packed, torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
+
+
+# --- modules ----------------------------------------------------------------------------------------
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])  # [M, K]
+
+
+def _quant_rows_int8(x: torch.Tensor) -> torch.Tensor:
+    """8da4w's activations: each row quantized to int8 (symmetric, one scale per row) and back."""
+    xf = x.float()
+    s = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-10)
+    return torch.round(xf / s).clamp(-128, 127) * s
+
+
+class Int8Linear(nn.Module):
+    """y = x @ (weight * scale).T (+ bias), weight int8 [N, K], scale bf16 [N]; bf16 activations."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight)  # [N, K] int8
+        self.register_buffer("scale", scale)  # [N] bf16
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features = weight.shape[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(_rows(x).to(BF16), self.weight, self.scale)  # [M, N] bf16
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T (+ bias), W = (q - 8) * scale + zero per group of ``group_size`` input features, in the CPU
+    int4pack layout; bf16 activations (8da4w: each row quantized to int8 first)."""
+
+    def __init__(self, weight: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
+                 act_int8: bool = False):
+        super().__init__()
+        self.register_buffer("weight", weight)  # [N, K/2] uint8 (int4pack)
+        self.register_buffer("scale_zeros", scale_zeros)  # [K/g, N, 2] bf16
+        # the group size as a tensor: the kernel's tensor-argument form (see ``forward``)
+        self.register_buffer("group", torch.tensor([group_size], dtype=torch.int64))  # [1]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group_size, self.act_int8 = group_size, act_int8
+        self.out_features = scale_zeros.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if self.act_int8:
+            rows = _quant_rows_int8(rows)
+        # quantized::int4mm_packed_weight_cpu is aten._weight_int4pack_mm_for_cpu with the group size as a tensor:
+        # Inductor lowers the aten op by creating that tensor as a constant of its own, which an AOTInductor
+        # library built without its weights then expects from the caller; as a buffer it is stored with the rest
+        y = torch.ops.quantized.int4mm_packed_weight_cpu(rows.to(BF16), self.weight, self.group, self.scale_zeros)
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class GGUFLinear(nn.Module):
+    """y = x @ W.T (+ bias) over a GGUF's blocks, in float32: W = d * q + m (q4_1), d * (q - 8) (q4_0), d * q (q8_0),
+    per block of 32 input features; q [N, K/32, 32] (uint8 0..15, or int8 for q8_0), d and m float16 [N, K/32]."""
+
+    def __init__(self, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None):
+        super().__init__()
+        self.fmt = fmt
+        self.register_buffer("q", q)
+        self.register_buffer("d", d)
+        self.register_buffer("m", m)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.out_features, self.in_features = q.shape[0], q.shape[1] * q.shape[2]
+
+    def dequantized(self) -> torch.Tensor:
+        """W float32 [N, K], as gguf's dequantize computes it (d * q exact, then + m rounded once)."""
+        q, d = self.q.float(), self.d.float()[..., None]  # [N, G, 32], [N, G, 1]
+        if self.fmt == "q4_0":
+            q = q - 8
+        w = q * d if self.m is None else q * d + self.m.float()[..., None]
+        return w.reshape(self.out_features, self.in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x).float()  # [M, K]
+        m_rows = rows.shape[0]
+        if isinstance(m_rows, int) and m_rows == 1:  # decode (a trace-time size): one pass over the blocks
+            xg = rows.view(1, 1, -1, 32)  # [1, 1, G, 32]
+            dot = (xg * self.q.float()).sum(-1)  # [1, N, G]: x . q per block
+            if self.fmt == "q4_0":
+                dot = dot - 8 * xg.sum(-1)
+            y = dot * self.d.float()
+            if self.m is not None:
+                y = y + xg.sum(-1) * self.m.float()
+            y = y.sum(-1)  # [1, N]
+        else:
+            y = F.linear(rows, self.dequantized())
+        y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Embedding(nn.Module):
+    """Rows of an int8 table [V, D] with one bf16 scale per row, dequantized on lookup."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("weight", weight)  # [V, D] int8
+        self.register_buffer("scale", scale)  # [V] bf16
+        self.dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (self.weight[tokens].float() * self.scale[tokens].float()[..., None]).to(self.dtype)
+
+
+class GGUFEmbedding(nn.Module):
+    """Rows of a GGUF table (``GGUFLinear``'s blocks), dequantized on lookup."""
+
+    def __init__(self, linear: GGUFLinear, dtype: torch.dtype):
+        super().__init__()
+        self.fmt, self.dtype = linear.fmt, dtype
+        self.register_buffer("q", linear.q)
+        self.register_buffer("d", linear.d)
+        self.register_buffer("m", linear.m)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        q, d = self.q[tokens].float(), self.d[tokens].float()[..., None]  # [B, T, G, 32], [B, T, G, 1]
+        if self.fmt == "q4_0":
+            q = q - 8
+        w = q * d if self.m is None else q * d + self.m[tokens].float()[..., None]
+        return w.flatten(-2).to(self.dtype)
+
+
+class DequantLinear(nn.Module):
+    """The reference of a quantized linear: its weight dequantized to float32, ``F.linear``, with the program's
+    activation rounding (``activations``: "bfloat16", "int8-dynamic" (then bf16) or "float32": none)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activations: str):
+        super().__init__()
+        self.register_buffer("weight", weight.float())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.activations = activations
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.float()
+        if self.activations == "int8-dynamic":
+            rows = _quant_rows_int8(rows)
+        if self.activations != "float32":
+            rows = rows.to(BF16).float()
+        y = F.linear(rows, self.weight)
+        if self.activations != "float32":
+            y = y.to(BF16)
+        y = y.to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+# --- applying a QuantSpec to a decoder ----------------------------------------------------------------
+def _set(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, leaf = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, leaf, module)
+
+
+def _targets(decoder: nn.Module) -> tuple[dict[str, nn.Linear], dict[str, nn.Embedding], dict[str, str]]:
+    """(linears, embeddings, tied linear name -> embedding name) of ``decoder``."""
+    linears = {n: m for n, m in decoder.named_modules(remove_duplicate=False) if type(m) is nn.Linear}
+    embeds = {n: m for n, m in decoder.named_modules(remove_duplicate=False) if type(m) is nn.Embedding}
+    by_weight = {id(e.weight): n for n, e in embeds.items()}
+    tied = {n: by_weight[id(m.weight)] for n, m in linears.items() if id(m.weight) in by_weight}
+    return linears, embeds, tied
+
+
+@torch.no_grad()
+def quantize_decoder(decoder: nn.Module, spec: QuantSpec, *, gguf: GGUFRows | None = None,
+                     reference: bool = False, activations: str | None = None) -> QuantSpec:
+    """Quantize ``decoder``'s linear layers (and embedding / head) in place; returns ``spec`` with every module's
+    format recorded (``tensors``) and, for gguf, what was dequantized and why.
+
+    ``reference``: build verify's reference instead (``DequantLinear``, dequantized ``nn.Embedding``), choosing
+    exactly the modules ``spec.tensors`` names when it names any. ``activations`` (reference only): override
+    the activation rounding (e.g. "float32"). ``gguf``: the lookup of GGUF blocks (scheme "gguf").
+    """
+    if not hasattr(decoder, "cache_spec"):
+        raise UnsupportedError(f"{type(decoder).__name__} is not a kvtrace Decoder; quantization applies to the "
+                               "decoders kvtrace builds (the llama family)")
+    if spec.scheme == "gguf" and gguf is None and not reference:
+        raise UnsupportedError("quant='gguf' keeps a GGUF file's blocks; this model was not loaded from a GGUF file. "
+                               "Pass a .gguf source, or use --quant int8 / int4")
+    act = activations or spec.activations
+    dtype = decoder.cache_spec.torch_dtype
+    linears, embeds, tied = _targets(decoder)
+    chosen = spec.tensors or None  # a recorded spec: exactly its modules
+    tensors: dict[str, str] = {}
+    dequantized: dict[str, str] = {}
+
+    def wanted(name: str) -> bool:
+        return chosen is None or name in chosen
+
+    # the embedding (and a head tied to it)
+    for ename, emb in embeds.items():
+        heads = [n for n, e in tied.items() if e == ename]
+        if (spec.scheme != "gguf" and not spec.head) or not wanted(ename):
+            continue
+        if spec.scheme == "gguf":
+            found = gguf(emb.weight) if gguf is not None else (None, "reference")
+            if found[0] is None:
+                dequantized[ename] = found[1]
+                continue
+            lin = GGUFLinear(*found, None)
+            if reference:
+                _set(decoder, ename, nn.Embedding.from_pretrained(lin.dequantized().to(dtype), freeze=True))
+            else:
+                _set(decoder, ename, GGUFEmbedding(lin, dtype))
+            tensors[ename] = found[0]
+            for h in heads:
+                _set(decoder, h, DequantLinear(lin.dequantized(), None, act) if reference else lin)
+                tensors[h] = f"tied:{ename}"
+            continue
+        q, scale = quantize_int8(emb.weight)
+        if reference:
+            w = q.float() * scale.float()[:, None]
+            _set(decoder, ename, nn.Embedding.from_pretrained(w.to(dtype), freeze=True))
+            for h in heads:
+                _set(decoder, h, DequantLinear(w, None, act))
+        else:
+            _set(decoder, ename, Int8Embedding(q, scale, dtype))
+            for h in heads:
+                _set(decoder, h, Int8Linear(q, scale, None))
+        tensors[ename] = "int8"
+        tensors.update({h: f"tied:{ename}" for h in heads})
+    for name, lin in linears.items():
+        if name in tied or not wanted(name):
+            continue
+        is_head = lin is getattr(decoder, "output", None)  # the output head (LlamaDecoder.output)
+        bias = None if lin.bias is None else lin.bias.detach().clone()
+        w = lin.weight
+        if spec.scheme == "gguf":
+            found = gguf(w) if gguf is not None else (None, "reference")
+            if found[0] is None:
+                dequantized[name] = found[1]
+                continue
+            mod = GGUFLinear(*found, bias)
+            _set(decoder, name, DequantLinear(mod.dequantized(), bias, act) if reference else mod)
+            tensors[name] = found[0]
+        elif spec.scheme == "int8" or (is_head and chosen is None):
+            if is_head and not spec.head:
+                continue
+            q, scale = quantize_int8(w)
+            _set(decoder, name, DequantLinear(q.float() * scale.float()[:, None], bias, act) if reference
+                 else Int8Linear(q, scale, bias))
+            tensors[name] = "int8"
+        else:  # int4 / 8da4w
+            if chosen is not None and chosen[name] == "int8":  # a recorded int8 head
+                q, scale = quantize_int8(w)
+                _set(decoder, name, DequantLinear(q.float() * scale.float()[:, None], bias, act) if reference
+                     else Int8Linear(q, scale, bias))
+                tensors[name] = "int8"
+                continue
+            g = spec.group_size
+            if w.shape[1] % g:
+                dequantized[name] = f"in_features {w.shape[1]} is not a multiple of group_size {g}"
+                continue
+            sym = spec.scheme == "8da4w"
+            q, scale, zero = quantize_int4(w, g, symmetric=sym)
+            if reference:
+                mod = DequantLinear(dequantize_int4(q, scale, zero), bias, act)
+            else:
+                mod = Int4Linear(*pack_int4(q, scale, zero), g, bias, act_int8=sym)
+            _set(decoder, name, mod)
+            tensors[name] = "int4-sym" if sym else "int4"
+    if chosen is not None and set(chosen) != set(tensors) and not reference:
+        raise UnsupportedError(f"the decoder's modules do not match the recorded quantization: "
+                               f"{sorted(set(chosen) ^ set(tensors))[:4]}")
+    return QuantSpec(spec.scheme, spec.group_size, spec.head, tensors, dequantized)

@@ -1,0 +1,305 @@
+"""Quantized weights (kvtrace.models.quant, spec.quant): the quantizers and kernel layouts, GGUF blocks kept as
+stored (from tiny GGUFs written with the gguf package), export + verify against the same quantized weights eager
+for each scheme x backend, planted faults (a wrong group size, a dropped zero point) failing verify, the manifest
+record and the refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kvtrace
+from conftest import tiny_model
+from helpers import write_gguf
+from kvtrace._errors import ArtifactError, UnsupportedError, UsageError
+from kvtrace.models import quant as q
+from kvtrace.models.registry import make_decoder
+from kvtrace.spec.quant import QuantSpec, parse_quant
+from kvtrace.tools.runners import EagerRunner, SessionRunner
+from kvtrace.tools.verify_kv import verify_by_cache
+
+PROMPTS = ([5, 17, 42, 8, 99, 3, 64, 7], [3, 11, 2, 4, 5, 6, 7])
+GGUF_PROMPTS = ([1, 3, 4, 5, 3, 7], [1, 6, 5])  # write_gguf's vocabulary has 8 tokens
+STEPS, MAX_SEQ_LEN = 12, 32
+SCHEMES = ("int8", "int4", "8da4w")
+
+
+# --- quantizers and layouts --------------------------------------------------------------------------
+def test_int4_kernel_computes_the_dequantized_weight():
+    """aten._weight_int4pack_mm_for_cpu over pack_int4's layout is (q - 8) * scale + zero, group by group."""
+    torch.manual_seed(0)
+    w = torch.randn(48, 128)
+    for g in (32, 64, 128):
+        qv, scale, zero = q.quantize_int4(w, g)
+        assert qv.dtype == torch.uint8 and int(qv.max()) <= 15 and scale.shape == (48, 128 // g)
+        deq = q.dequantize_int4(qv, scale, zero)
+        assert float((deq - w).abs().max()) <= float(scale.float().max()) * 0.51 + 1e-2  # half a step (+ bf16 zero)
+        packed, sz = q.pack_int4(qv, scale, zero)
+        eye = torch.eye(128, dtype=torch.bfloat16)
+        got = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, g, sz).t().float()  # [48, 128] bf16 weights
+        assert torch.equal(got, deq.to(torch.bfloat16).float()), g
+
+
+def test_int8_rows_and_symmetric_int4():
+    torch.manual_seed(0)
+    w = torch.randn(16, 64)
+    qv, scale = q.quantize_int8(w)
+    assert qv.dtype == torch.int8 and scale.dtype == torch.bfloat16 and scale.shape == (16,)
+    assert float((qv.float() * scale.float()[:, None] - w).abs().max()) <= float(scale.float().max()) / 2 + 1e-6
+    q4, _, z4 = q.quantize_int4(w, 32, symmetric=True)
+    assert float(z4.abs().max()) == 0 and int(q4.min()) >= 0 and int(q4.max()) <= 15
+
+
+def test_gguf_linear_decode_and_prefill_paths_agree_with_the_dequantized_weight():
+    torch.manual_seed(0)
+    n, k = 24, 96
+    d = (torch.rand(n, k // 32) * 0.01).half()
+    m = (torch.randn(n, k // 32) * 0.01).half()
+    x1, x5 = torch.randn(1, 1, k), torch.randn(1, 5, k)
+    for fmt, qv, mm in (("q4_1", torch.randint(0, 16, (n, k // 32, 32), dtype=torch.uint8), m),
+                        ("q4_0", torch.randint(0, 16, (n, k // 32, 32), dtype=torch.uint8), None),
+                        ("q8_0", torch.randint(-128, 128, (n, k // 32, 32), dtype=torch.int8), None)):
+        lin = q.GGUFLinear(fmt, qv, d, mm, None)
+        w = lin.dequantized()
+        off = 8 if fmt == "q4_0" else 0
+        expect = (qv.float() - off) * d.float()[..., None] + (0 if mm is None else mm.float()[..., None])
+        assert torch.equal(w, expect.reshape(n, k))
+        torch.testing.assert_close(lin(x1), F.linear(x1, w), rtol=1e-5, atol=1e-6)  # the one-row (decode) path
+        assert torch.equal(lin(x5), F.linear(x5, w))  # prefill: the dequantized weight itself
+
+
+# --- GGUF blocks --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def q41_gguf(tmp_path_factory) -> Path:
+    """Blocks Q4_1 (the default model's type), the tied embedding Q8_0, one down projection Q4_0, one F16."""
+    return write_gguf(tmp_path_factory.mktemp("gguf") / "q41.gguf", qtype="Q4_1", embd_qtype="Q8_0",
+                      qtypes={"blk.1.ffn_down.weight": "Q4_0", "blk.1.attn_output.weight": "F16"})
+
+
+def test_gguf_blocks_are_found_for_fused_and_permuted_decoder_weights(q41_gguf):
+    """Every kept decoder weight gets the GGUF's own blocks (q/k rows permuted back by transformers and fused with
+    v, gate fused with up), and they dequantize to the converted weight bit for bit; an F16 tensor is reported."""
+    from kvtrace.sources.gguf_blocks import GGUFBlocks
+    from kvtrace.sources.load import load_model
+
+    lm = load_model(q41_gguf)
+    decoder = make_decoder(lm.model, max_seq_len=16)
+    spec = q.quantize_decoder(decoder, parse_quant("gguf"), gguf=GGUFBlocks(q41_gguf))
+    assert spec.tensors == {
+        "layers.0.wqkv": "q4_1", "layers.0.wo": "q4_1", "layers.0.w13": "q4_1", "layers.0.w2": "q4_1",
+        "layers.1.wqkv": "q4_1", "layers.1.w13": "q4_1", "layers.1.w2": "q4_0",
+        "tok_embeddings": "q8_0", "output": "tied:tok_embeddings"}
+    assert list(spec.dequantized) == ["layers.1.wo"] and "F16" in spec.dequantized["layers.1.wo"]
+    plain = make_decoder(lm.model, max_seq_len=16)
+    assert torch.equal(decoder.layers[0].wqkv.dequantized(), plain.layers[0].wqkv.weight)
+    assert torch.equal(decoder.layers[1].w2.dequantized(), plain.layers[1].w2.weight)
+    assert decoder.tok_embeddings.q.data_ptr() == decoder.output.q.data_ptr()  # the tied head: stored once
+    tokens = torch.tensor([[1, 3, 5, 7]])
+    assert torch.equal(decoder.tok_embeddings(tokens), plain.tok_embeddings(tokens))
+
+
+def test_gguf_quant_needs_a_gguf_source(tmp_path):
+    with pytest.raises(UnsupportedError, match="not loaded from a GGUF"):
+        kvtrace.export(tiny_model("llama"), tmp_path / "m.kvt", max_seq_len=16, quant="gguf")
+    assert not (tmp_path / "m.kvt").exists()
+
+
+# --- export + verify against the same quantized weights -------------------------------------------------
+def _export(source: Any, path: Path, quant: str, backend: str = "exported", **kw: Any) -> Any:
+    kvtrace.export(source, path, max_seq_len=MAX_SEQ_LEN, backend=backend, quant=quant, prefill_logits="last", **kw)
+    return kvtrace.load(path)
+
+
+def _verify(model: torch.nn.Module, *cands: tuple[str, Any], prompts: Any = PROMPTS) -> Any:
+    runners = [SessionRunner(art.session(), name) for name, art in cands]
+    return verify_by_cache(model, EagerRunner(model), runners, prompts, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def llama() -> torch.nn.Module:
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def exported(llama, tmp_path_factory) -> dict[str, Any]:
+    d = tmp_path_factory.mktemp("quant")
+    return {s: _export(llama, d / f"{s}.kvt", s) for s in SCHEMES}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_exported_quantized_artifact_verifies_against_the_same_quantized_weights(scheme, llama, exported):
+    art = exported[scheme]
+    report = _verify(llama, (scheme, art))
+    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
+    assert {r.reference for r in report.rows} == {f"decoder-eager-{art.manifest.quant.key}"}  # from the manifest
+    assert "quant_rule" in report.tolerance
+    (s,) = report.summary()
+    assert s["tokens_agree"] == s["steps"] and s["logits_max_abs"] <= 0.05
+    # vs the unquantized model: measured, not judged, and not zero (the weights did change)
+    (u,) = report.vs_fp32.unjudged()
+    assert u["logits_max_abs"] > 1e-4
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_manifest_records_every_quantized_module_and_no_float_copy_is_stored(scheme, llama, exported):
+    art = exported[scheme]
+    qs = art.manifest.quant
+    assert qs.scheme == scheme and qs.head and qs.group_size == (None if scheme == "int8" else 32)
+    linears = {f"layers.{i}.{n}" for i in range(2) for n in ("wqkv", "wo", "w13", "w2")}
+    fmt = {"int8": "int8", "int4": "int4", "8da4w": "int4-sym"}[scheme]
+    assert not llama.config.tie_word_embeddings  # the head is its own int8 matrix
+    assert qs.tensors == {**dict.fromkeys(linears, fmt), "tok_embeddings": "int8", "output": "int8"}
+    w = art.manifest.weights
+    assert not any(meta["dtype"] == "float32" and name.endswith(".weight") and "norm" not in name
+                   for name, meta in w.items()), w
+    assert w["tok_embeddings.weight"]["dtype"] == w["output.weight"]["dtype"] == "int8"
+    assert QuantSpec.from_dict(qs.to_dict()) == qs
+
+
+def test_a_tied_head_shares_the_embeddings_int8_table(tmp_path):
+    model = tiny_model("llama", tie_word_embeddings=True)
+    art = _export(model, tmp_path / "tied.kvt", "int4")
+    assert art.manifest.quant.tensors["output"] == "tied:tok_embeddings"
+    stored, aliases = art.manifest.weights, art.manifest.weight_aliases
+    assert aliases == {"tok_embeddings.weight": "output.weight", "tok_embeddings.scale": "output.scale"}  # stored once
+    assert stored["output.weight"]["dtype"] == "int8" and "tok_embeddings.weight" not in stored
+    assert _verify(model, ("tied", art)).passed
+
+
+def test_quantized_artifacts_are_smaller(llama, exported, tmp_path):
+    plain = _export(llama, tmp_path / "plain.kvt", "none")
+    size = {s: exported[s].path.stat().st_size for s in SCHEMES}
+    assert plain.manifest.quant is None
+    weights = {s: sum(_nbytes(m) for m in exported[s].manifest.weights.values()) for s in SCHEMES}
+    fp32 = sum(_nbytes(m) for m in plain.manifest.weights.values())
+    # the tiny model's weights are tiny next to its RoPE tables and norms: check the quantized tensors' share
+    assert weights["int4"] < weights["int8"] < fp32 and size["int4"] < size["int8"] < plain.path.stat().st_size
+
+
+def _nbytes(meta: dict) -> int:
+    n = 1
+    for d in meta["shape"]:
+        n *= d
+    return n * torch.empty(0, dtype=getattr(torch, meta["dtype"])).element_size()
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+def test_gguf_native_export_verifies_exactly_against_the_dequantized_gguf(kind, tmp_path):
+    """GGUF blocks kept as stored: verified in float32 against eager over the dequantized GGUF weights."""
+    from kvtrace.sources.load import load_model
+
+    path = write_gguf(tmp_path / f"{kind}.gguf", qtype=kind, embd_qtype=kind)
+    art = _export(str(path), tmp_path / "g.kvt", "gguf")
+    qs = art.manifest.quant
+    assert set(qs.tensors.values()) == {kind.lower(), "tied:tok_embeddings"} and not qs.dequantized
+    assert {m["dtype"] for n, m in art.manifest.weights.items() if n.endswith((".q", ".d", ".m"))} <= {
+        "uint8", "int8", "float16"}
+    model = load_model(path).model
+    report = _verify(model, ("gguf", art), prompts=GGUF_PROMPTS)
+    assert report.passed, [r.failure for r in report.rows if not r.passed]
+    assert report.tolerance["atol"] == "0.0001"  # the float32 tolerance: same numbers, float32 arithmetic
+    (s,) = report.summary()
+    assert s["reference"] == "decoder-eager-gguf" and s["logits_max_abs"] < 1e-4 and s["tokens_agree"] == s["steps"]
+
+
+# --- planted faults -----------------------------------------------------------------------------------
+def test_planted_wrong_group_size_fails_verify(llama, exported, tmp_path, monkeypatch):
+    """The artifact quantizes and packs groups of 64 while recording 32: verify (reference rebuilt from the
+    manifest) fails."""
+    real = q.quantize_int4
+    monkeypatch.setattr(q, "quantize_int4", lambda w, g, symmetric=False: real(w, 64, symmetric))
+    real_init = q.Int4Linear.__init__
+    monkeypatch.setattr(q.Int4Linear, "__init__", lambda self, w, sz, g, b, act_int8=False:
+                        real_init(self, w, sz, 64, b, act_int8))
+    bad = _export(llama, tmp_path / "g64.kvt", "int4")
+    monkeypatch.undo()
+    assert bad.manifest.quant.group_size == 32
+    report = _verify(llama, ("int4", exported["int4"]), ("wrong-group", bad))
+    assert report.first_failure("int4") is None
+    fail = report.first_failure("wrong-group")
+    assert fail is not None and (fail.prompt, fail.step) == (0, "prefill"), fail
+
+
+def test_planted_dropped_zero_point_fails_verify(llama, exported, tmp_path, monkeypatch):
+    real = q.pack_int4
+    monkeypatch.setattr(q, "pack_int4", lambda qv, s, z: real(qv, s, torch.zeros_like(z)))
+    bad = _export(llama, tmp_path / "nozero.kvt", "int4")
+    monkeypatch.undo()
+    report = _verify(llama, ("no-zero", bad))
+    fail = report.first_failure("no-zero")
+    assert fail is not None and (fail.prompt, fail.step) == (0, "prefill") and "layer 0" in fail.failure, fail
+
+
+def test_planted_dropped_gguf_min_fails_verify(tmp_path, monkeypatch):
+    from kvtrace.sources.load import load_model
+
+    path = write_gguf(tmp_path / "q41.gguf", qtype="Q4_1")
+    real = q.GGUFLinear.__init__
+    monkeypatch.setattr(q.GGUFLinear, "__init__", lambda self, fmt, qv, d, m, b: real(self, fmt, qv, d, None, b))
+    bad = _export(str(path), tmp_path / "nomin.kvt", "gguf")
+    monkeypatch.undo()
+    report = _verify(load_model(path).model, ("no-min", bad), prompts=GGUF_PROMPTS)
+    assert report.first_failure("no-min") is not None
+
+
+# --- refusals and the record -------------------------------------------------------------------------
+def test_refusals(tmp_path):
+    with pytest.raises(UsageError, match="quant must be one of"):
+        parse_quant("int3")
+    with pytest.raises(UsageError, match="group_size must be one of"):
+        parse_quant("int4", group_size=48)
+    with pytest.raises(UsageError, match="per output channel"):
+        parse_quant("int8", group_size=32)
+    with pytest.raises(UnsupportedError, match="does not take quantized weights"):
+        kvtrace.export(tiny_model("gpt_neox"), tmp_path / "n.kvt", max_seq_len=16, quant="int8")
+    with pytest.raises(UnsupportedError, match="computed by CPU kernels only"):  # refused before any GPU is looked for
+        kvtrace.export(tiny_model("llama"), tmp_path / "c.kvt", max_seq_len=16, quant="int4", device="cuda")
+    assert not list(tmp_path.iterdir())
+
+
+def test_quant_spec_from_a_forged_manifest_is_an_artifact_error():
+    with pytest.raises(ArtifactError, match="manifest quant"):
+        QuantSpec.from_dict({"scheme": "int4"})
+    with pytest.raises(ArtifactError, match="group_size"):
+        QuantSpec.from_dict({"scheme": "int4", "group_size": 7, "head": True, "tensors": {}, "dequantized": {}})
+
+
+def test_artifact_cache_keys_on_the_quantization():
+    from kvtrace.artifact.store import artifact_key
+
+    keys = {artifact_key("d", backend="aoti", max_seq_len=64, dtype="float32", batch_size=1,
+                         quant=None if s == "none" else parse_quant(s).key) for s in ("none", *SCHEMES, "gguf")}
+    assert len(keys) == 5
+    assert parse_quant("int4", 64).key != parse_quant("int4").key != parse_quant("int4", head=False).key
+
+
+def test_head_can_stay_in_float(llama, tmp_path):
+    art = _export(llama, tmp_path / "nohead.kvt", "int4", quant_head=False)
+    assert "tok_embeddings" not in art.manifest.quant.tensors
+    assert art.manifest.weights["tok_embeddings.weight"]["dtype"] == "float32"
+    assert _verify(llama, ("int4-nohead", art)).passed
+
+
+# --- compiled backends ----------------------------------------------------------------------------------
+@pytest.mark.compile
+@pytest.mark.parametrize("backend", ["aoti", "aoti-packed"])
+@pytest.mark.parametrize("scheme", [*SCHEMES, "gguf"])
+def test_compiled_quantized_artifacts_verify(scheme, backend, llama, q41_gguf, tmp_path):
+    from kvtrace.sources.load import load_model
+
+    if scheme == "gguf" and backend == "aoti-packed":
+        with pytest.raises(UnsupportedError, match="fold the GGUF blocks into float32"):
+            _export(str(q41_gguf), tmp_path / "c.kvt", scheme, backend)
+        return
+
+    source, model = (str(q41_gguf), load_model(q41_gguf).model) if scheme == "gguf" else (llama, llama)
+    art = _export(source, tmp_path / "c.kvt", scheme, backend)
+    assert art.manifest.quant.scheme == scheme
+    report = _verify(model, (backend, art), prompts=GGUF_PROMPTS if scheme == "gguf" else PROMPTS)
+    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
+    (s,) = report.summary()
+    assert s["tokens_agree"] == s["steps"]
