@@ -14,7 +14,7 @@ EXPECTED = ERRORS | {
     "CacheSpec", "LayerKind", "LayerSpec", "LayerState", "BufferSpec", "ProgramSpec", "InputSpec", "Decoder",  # declared state and programs
     "jit", "JittedModel", "JitStats",  # HF-style calls
     "export", "load", "Artifact", "Manifest",  # artifacts
-    "Session", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
+    "Session", "ProgramSet", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
     "Chunk", "Conversation", "Turn", "TurnStats",  # running
     "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
     "DecoderRunner",

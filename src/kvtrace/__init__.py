@@ -51,6 +51,7 @@ _LAZY = {
     "Manifest": "kvtrace.spec.manifest",
     # running: sessions and generation
     "Session": "kvtrace.runtime.session",
+    "ProgramSet": "kvtrace.runtime.session",
     "Snapshot": "kvtrace.runtime.session",
     "Sampling": "kvtrace.runtime.generate",
     "generate": "kvtrace.runtime.generate",
@@ -103,6 +104,7 @@ __all__ = [
     "LayerState",
     "LintReport",
     "Manifest",
+    "ProgramSet",
     "ProgramSpec",
     "Prompt",
     "Runner",
@@ -140,7 +142,7 @@ if TYPE_CHECKING:  # pragma: no cover
         stream,
     )
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
-    from kvtrace.runtime.session import Session, Snapshot
+    from kvtrace.runtime.session import ProgramSet, Session, Snapshot
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest

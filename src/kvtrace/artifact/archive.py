@@ -53,7 +53,7 @@ from kvtrace.artifact import reader
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
 from kvtrace.runtime.chat import Conversation
-from kvtrace.runtime.session import Session
+from kvtrace.runtime.session import ProgramSet, Session
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.manifest import FORMAT, TOKENIZER, VERSION, WEIGHTS, Manifest, ModelInfo, clip
 
@@ -78,12 +78,15 @@ class Artifact:
 
     def session(self) -> Session:
         """A new Session with its own cache, holding the declared initial values."""
-        extra = {n: (spec, self._programs[n]) for n, spec in self.manifest.programs.items()
-                 if n not in ("prefill", "decode")}
-        return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
-                       vocab_size=self.manifest.vocab_size, extra=extra,
-                       prefill_logits=self.manifest.programs["prefill"].logits,
-                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity)
+        return Session.of(self.program_set())
+
+    def program_set(self) -> ProgramSet:
+        """This artifact's programs with what they declare: what a Session runs (``Session.swap`` takes it)."""
+        m = self.manifest
+        extra = {n: (spec, self._programs[n]) for n, spec in m.programs.items() if n not in ("prefill", "decode")}
+        return ProgramSet(self.cache_spec, self._programs["prefill"], self._programs["decode"], extra=extra,
+                          prefill_logits=m.programs["prefill"].logits, key_pos=m.programs["prefill"].key_pos,
+                          vocab_size=m.vocab_size, identity=self.identity, label=m.backend)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

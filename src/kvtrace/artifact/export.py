@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -23,9 +24,9 @@ from kvtrace.artifact.write import dedupe_weights, program_signature, write_arti
 from kvtrace.backends import registry
 from kvtrace.capture.export import capture_programs, with_prefill_logits
 from kvtrace.spec.manifest import Manifest, ModelInfo
-from kvtrace.spec.program import program_specs
+from kvtrace.spec.program import ProgramSpec, program_specs
 
-__all__ = ["export"]
+__all__ = ["export", "from_source", "make_manifest"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -168,23 +169,44 @@ def export(
         ) from e
     unique, aliases = ({}, {}) if chosen.packs_weights else dedupe_weights(weights)  # packed: in the program
     vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
+    manifest = dataclasses.replace(
+        make_manifest(backend, decoder, info, programs, vocab),
+        weight_aliases=aliases,
+        export_seconds=round(time.perf_counter() - t0, 3),
+        # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
+        signatures={n: program_signature(ep) for n, ep in compiled.items()},
+    )
+    return write_artifact(path, manifest, unique, files, tokenizer_json)
+
+
+def make_manifest(backend: str, decoder: torch.nn.Module, info: ModelInfo, programs: tuple[ProgramSpec, ...],
+                  vocab: int) -> Manifest:
+    """The manifest of ``decoder``'s ``programs`` (before the writer records members, weights and signatures)."""
     from kvtrace import __version__
 
-    manifest = Manifest(
+    return Manifest(
         backend=backend,
         cache_spec=decoder.cache_spec,
         vocab_size=vocab,
         programs={p.name: p for p in programs},
         **asdict(info),
         generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
-        weight_aliases=aliases,
         kvtrace_version=__version__,
         torch_version=torch.__version__,
-        export_seconds=round(time.perf_counter() - t0, 3),
-        # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
-        signatures={n: program_signature(ep) for n, ep in compiled.items()},
     )
-    return write_artifact(path, manifest, unique, files, tokenizer_json)
+
+
+def from_source(source: Any, *, dtype: str | torch.dtype, max_seq_len: int, batch_size: int = 1,
+                kv_dtype: str | None = None) -> tuple[torch.nn.Module, int, ModelInfo, str | None]:
+    """(decoder, vocab_size, model info, tokenizer JSON or None) of a model source, as ``export`` builds them."""
+    tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if tdtype not in DTYPES.values():
+        raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
+                                                        batch_size=batch_size, kv_dtype=_kv_dtype(kv_dtype))
+    if model is None:
+        raise UsageError("from_source takes a model source or an HF model, not a Decoder")
+    return decoder, model.config.get_text_config(decoder=True).vocab_size, info, tokenizer_json
 
 
 def _kv_dtype(kv_dtype: Any) -> str | None:

@@ -30,7 +30,7 @@ import torch
 
 from kvtrace._errors import ArtifactError, UsageError
 
-__all__ = ["BuildResult", "artifact_key", "cached_artifact", "clear_artifacts", "list_artifacts"]
+__all__ = ["BuildResult", "artifact_key", "cached_artifact", "clear_artifacts", "entry_path", "list_artifacts"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,14 @@ def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, bat
                        *([] if prefill_logits == "all" else [prefill_logits]),
                        *([] if kv_dtype in (None, "auto") else [f"kv_dtype={kv_dtype}"])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def entry_path(src: Any, *, backend: str, max_seq_len: int, dtype: str = "float32", batch_size: int = 1,
+               prefill_logits: str = "last", kv_dtype: str | None = None) -> Path:
+    """Where the cache keeps the artifact of a resolved source (``ModelSource``) with these options."""
+    key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
+                       prefill_logits=prefill_logits, kv_dtype=kv_dtype)
+    return _artifacts_dir() / f"{src.name}-{backend}-{key}.kvt"
 
 
 def _artifacts_dir() -> Path:
@@ -124,7 +132,7 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
 def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "float32",
                     batch_size: int = 1, prefill_logits: str = "last", progress: Any = None,
                     load: bool = False, notice: Callable[[str], None] | None = None,
-                    kv_dtype: str | None = None) -> BuildResult:
+                    kv_dtype: str | None = None, build: bool = True) -> BuildResult | None:
     """The artifact for ``source`` with these options, exporting it on a cache miss. Its prefill returns
     the last position's logits by default (what a generation samples from; see ``export``); ``kv_dtype``
     ("int8") asks for a quantized KV cache, a separate entry.
@@ -132,15 +140,16 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
     ``load=True`` also loads it (``BuildResult.artifact``): a cached entry that ``kvtrace.load``
     refuses is then deleted and rebuilt, and ``notice`` (if given) gets one line saying so. A freshly
     built artifact that does not load raises its ArtifactError and is not kept.
+
+    ``build=False`` looks only: None on a miss (a refused entry is deleted, so that a build rebuilds it).
     """
     from kvtrace.artifact.archive import load as load_artifact
     from kvtrace.artifact.export import export
     from kvtrace.sources.resolve import resolve_source
 
     src = resolve_source(source)
-    key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
-                       prefill_logits=prefill_logits, kv_dtype=kv_dtype)
-    path = _artifacts_dir() / f"{src.name}-{backend}-{key}.kvt"
+    path = entry_path(src, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
+                      prefill_logits=prefill_logits, kv_dtype=kv_dtype)
     refused: tuple[int, int, int] | None = None  # the stamp of the entry that failed to load
 
     def hit() -> BuildResult | None:
@@ -159,7 +168,11 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
             return None
 
     found = hit()
-    if found is not None:
+    if found is not None or not build:
+        if found is None and refused is not None:
+            with _locked(path):  # nobody else is writing it
+                if _stamp(path) == refused:
+                    path.unlink(missing_ok=True)
         return found
     with _locked(path):
         found = hit()  # another process may have built (or rebuilt) it while this one waited

@@ -20,7 +20,7 @@ from kvtrace._errors import CaptureError, UsageError
 from kvtrace.capture.preserve import preserved
 from kvtrace.spec.program import LOGITS, InputSpec, ProgramSpec, program_specs
 
-__all__ = ["capture_programs", "with_prefill_logits"]
+__all__ = ["capture_programs", "method_module", "with_prefill_logits"]
 
 def capture_programs(decoder: torch.nn.Module,
                      programs: tuple[ProgramSpec, ...] | None = None) -> dict[str, torch.export.ExportedProgram]:
@@ -42,7 +42,7 @@ def capture_programs(decoder: torch.nn.Module,
                                f"this cache holds {spec.max_seq_len}")
         args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t), *keys,
                 *(_example_input(i, spec.batch_size, t) for i in p.inputs), *spec.allocate())
-        method = _method_module(decoder, p)
+        method = method_module(decoder, p)
         shapes = None
         if t > 1 or p.key_pos:
             shapes = _dynamic_shapes(method, args, p, Dim("T", min=1, max=spec.max_seq_len) if t > 1 else None,
@@ -56,7 +56,7 @@ def _example_input(i: InputSpec, batch: int, t: int) -> torch.Tensor:
     return torch.full(i.concrete(batch, t), i.default if i.default is not None else 0.0, dtype=i.torch_dtype)
 
 
-def _method_module(decoder: torch.nn.Module, program: ProgramSpec) -> torch.nn.Module:
+def method_module(decoder: torch.nn.Module, program: ProgramSpec) -> torch.nn.Module:
     """``decoder`` itself, or a shallow copy whose ``forward`` is another method and/or whose
     ``last_logits`` is set: the same parameter objects under the same names, so every program shares
     one weight set."""
