@@ -135,6 +135,7 @@ class BackgroundBuild:
         try:
             self._proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            self.poll()
             return False
         self.poll()
         return True

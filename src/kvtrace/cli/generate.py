@@ -161,9 +161,10 @@ def finish_build(ui: UI, tier: Any) -> dict[str, Any]:
     build = tier.build
     if build.running:
         try:
-            with ui.step(f"compiling in the background: {build.phase}; finishing it for the next run "
-                         "(Ctrl-C skips it)"):
-                build.wait()
+            with ui.live("") as update:
+                while not build.wait(0.5):
+                    update(f"background build: {build.phase} ({time.perf_counter() - build.started:.0f}s); "
+                           "finishing it for the next run (Ctrl-C skips it)")
         except KeyboardInterrupt:
             tier.close()
             ui.notice("background build stopped; the next run starts it again")

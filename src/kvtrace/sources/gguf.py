@@ -32,6 +32,7 @@ class GGUFTensor:
     name: str
     dims: tuple[int, ...]  # GGUF order: ne0 (the input features of a Linear weight) first
     ggml_type: int
+    offset: int = 0  # of its data, from GGUFInfo.data_start
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,7 @@ def _walk_gguf(buf: Any, size: int) -> GGUFInfo:
         if start < end:
             raise ValueError(f"tensors {a} and {b} overlap")
     _check_dequantizable(types)
-    tensors = tuple(GGUFTensor(name, tuple(dims), t) for name, dims, t, _ in raw)
+    tensors = tuple(GGUFTensor(name, tuple(dims), t, offset) for name, dims, t, offset in raw)
     return GGUFInfo(arch, meta, tensors, data_start)
 
 
