@@ -466,3 +466,36 @@ def test_verify_reports_a_candidate_it_cannot_build_and_runs_the_others(hf_dir, 
 def test_verify_missing_artifact_is_bad_input(hf_dir, capsys):
     assert _code(["verify", str(hf_dir), "--artifact", "/nonexistent.kvt"]) == 2
     assert "--artifact /nonexistent.kvt does not exist" in _only_line(capsys)
+
+
+def test_generate_answers_at_once_then_caches_the_compiled_artifact(hf_dir, capsys):
+    """Tiered start: the first run answers on the eager decoder while the build runs in the background,
+    waits for that build after the answer, and the next run is a cache hit on the compiled programs."""
+    args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+            "--max-new-tokens", "4", "--raw", "--json"]
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    first = json.loads(cap.out)
+    assert first["cache_hit"] is False and first["compile_s"] > 0 and "build_error" not in first
+    assert first["programs"] in ("eager", "exported")
+    assert main(args) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["cache_hit"] is True and second["programs"] == "exported" and second["compile_s"] == 0
+    assert second["tokens"] == first["tokens"]  # greedy: the eager programs answer as the compiled ones
+
+
+def test_generate_no_tiered_compiles_first(hf_dir, capsys):
+    args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+            "--max-new-tokens", "4", "--raw", "--no-tiered"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "compiled in" in err and "background" not in err
+
+
+def test_generate_says_it_compiles_in_the_background(hf_dir, capsys):
+    args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+            "--max-new-tokens", "4", "--raw"]
+    assert main(args) == 0
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "compiling it in the background" in err and "answering with the eager decoder" in err
+    assert "exported artifact cached (built in" in err

@@ -18,6 +18,7 @@ import _ctypes
 import contextlib
 import ctypes
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -213,6 +214,66 @@ class _FlatRunner:
         return self._run(list(flat))
 
 
+# --- compiling several programs at once ----------------------------------------------------------
+# Each program compiles in its own process (spawned, not forked: the parent's OpenMP state is not
+# fork-safe), so prefill and decode share the cores: Inductor's code generation is single-threaded
+# Python and each program's C++ compile one g++ process. The captured program travels through a temp
+# file (torch.export.save/load; written and read by this build only).
+PARALLEL_COMPILE = True
+
+
+def _compile_in_processes(eps: dict[str, torch.export.ExportedProgram], opts: dict[str, dict[str, Any]],
+                          no_cache: bool, tmp: Path) -> dict[str, list[str]]:
+    """Program name -> the files ``aot_compile`` wrote, each program compiled in a child process at once."""
+    import subprocess
+    import sys
+
+    import torch
+
+    procs = {}
+    try:
+        for name, ep in eps.items():
+            job = tmp / f"{name}.job.json"
+            torch.export.save(ep, tmp / f"{name}.pt2")
+            job.write_text(json.dumps({"program": str(tmp / f"{name}.pt2"), "options": opts[name],
+                                       "no_cache": no_cache, "out": str(tmp / f"{name}.files.json")}))
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-c", "from kvtrace.backends.aoti import _compile_worker; _compile_worker()",
+                 str(job)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        files = {}
+        for name, proc in procs.items():
+            _, err = proc.communicate()
+            out = tmp / f"{name}.files.json"
+            if proc.returncode != 0 or not out.is_file():
+                tail = (err.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"compiling program {name} in a child process failed ({proc.returncode}): {tail}")
+            files[name] = json.loads(out.read_text())
+        return files
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _compile_worker() -> None:
+    """A child of ``_compile_in_processes``: ``python -c '...; _compile_worker()' JOB.json``."""
+    import sys
+
+    import torch
+
+    from kvtrace.capture.export import _example_args
+
+    job = json.loads(Path(sys.argv[1]).read_text())
+    torch.set_num_threads(1)  # code generation and g++ do not need torch's threads
+    ep = torch.export.load(job["program"])
+    patch = torch.compiler.config.patch(**EXPORT_NO_CACHE) if job["no_cache"] else contextlib.nullcontext()
+    with patch:
+        files = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=job["options"])
+    Path(job["out"]).write_text(json.dumps(files))
+
+
 # --- the backend ----------------------------------------------------------------------------------
 class AotiBackend(Backend):
     """One AOTInductor model per compiled program, in one package; ``packs_weights``: frozen weights."""
@@ -230,13 +291,16 @@ class AotiBackend(Backend):
         def no_cache() -> contextlib.AbstractContextManager[Any]:  # see EXPORT_NO_CACHE
             return torch.compiler.config.patch(**EXPORT_NO_CACHE) if self.no_compile_cache else contextlib.nullcontext()
 
+        opts = {name: {**export_options(self.packs_weights, dtype), "aot_inductor.package": True,
+                       "aot_inductor.model_name_for_generated_files": name} for name in eps}
         with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
-            files = {}
-            for name, ep in eps.items():
-                opts = {**export_options(self.packs_weights, dtype), "aot_inductor.package": True,
-                        "aot_inductor.model_name_for_generated_files": name}
-                with no_cache():
-                    files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts)
+            if len(eps) > 1 and PARALLEL_COMPILE and (os.cpu_count() or 1) > 1:
+                files = _compile_in_processes(eps, opts, self.no_compile_cache, Path(tmp))
+            else:
+                files = {}
+                for name, ep in eps.items():
+                    with no_cache():
+                        files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts[name])
             pkg = Path(tmp) / "aoti.pt2"
             package_aoti(str(pkg), files)
             return {PACKAGE: pkg.read_bytes()}

@@ -31,7 +31,8 @@ def _open(args: argparse.Namespace, ui: UI) -> tuple[Any, Any]:
     if args.model is not None and Path(args.model).is_file() and Path(args.model).suffix == ".kvt":
         with ui.step(f"loading {args.model}"):
             return load(args.model), None
-    return open_model(args, ui)
+    art, tier, _ = open_model(args, ui)
+    return art, tier
 
 
 def _conversation(art: Any, system: str | None) -> Any:

@@ -131,16 +131,16 @@ def image_inputs(art: Any, path: str | None) -> dict[str, Any]:
     return tensors
 
 
-def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) -> tuple[Any, Any]:
-    """(artifact, tier) for a model source: the cached artifact, else (tiered, the default) the eager
-    programs with the build in the background (``tier``), else (``--no-tiered``) built now."""
+def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) -> tuple[Any, Any, float]:
+    """(artifact, tier, compile seconds) for a model source: the cached artifact, else (tiered, the default)
+    the eager programs with the build in the background (``tier``), else (``--no-tiered``) built now."""
     from kvtrace.artifact.store import cached_artifact
 
     if not args.tiered:
         built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
                                 progress=ui.step, load=True, notice=ui.notice, kv_dtype=kv_dtype)
         ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
-        return built.artifact, None
+        return built.artifact, None, built.seconds
     from kvtrace.artifact import tiered
 
     tier = tiered.start(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
@@ -150,7 +150,7 @@ def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) ->
     else:
         ui.info(f"[dim]no cached {args.backend} artifact yet: compiling it in the background (pid {tier.build.pid}, "
                 f"nice {tiered.NICE}); answering with the eager decoder meanwhile[/dim]")
-    return tier.artifact, tier
+    return tier.artifact, tier, 0.0
 
 
 def finish_build(ui: UI, tier: Any) -> dict[str, Any]:
@@ -175,20 +175,22 @@ def finish_build(ui: UI, tier: Any) -> dict[str, Any]:
     elif build.error not in (None, "cancelled"):
         ui.notice(f"the background {tier.backend} build failed: {build.error}")
     error = tier.error or build.error
-    return {"build_seconds": build.seconds, **({"build_error": error} if error else {})}
+    return {"compile_s": build.seconds or 0.0, **({"build_error": error} if error else {})}
 
 
 def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
     prompt = read_prompt(args.prompt)
     t0 = time.perf_counter()
     # loads (and so checks) the artifact too; a cached one that fails its integrity check is rebuilt
-    art, tier = open_model(args, ui, kv_dtype=args.kv_dtype)
+    art, tier, compile_s = open_model(args, ui, kv_dtype=args.kv_dtype)
     try:
         load_s = time.perf_counter() - t0
         out = generate_text(ui, art, prompt, args, args.max_new_tokens, tier=tier)
         if tier is not None and tier.error:
             ui.notice(f"{tier.error}; the answer ran on the eager decoder")
-        out.update(load_s=round(load_s, 2), cache_hit=tier is None or tier.build is None, **finish_build(ui, tier))
+        out.update(load_s=round(load_s, 2), compile_s=round(compile_s, 2),
+                   cache_hit=not compile_s and (tier is None or tier.build is None))
+        out.update(finish_build(ui, tier))  # a background build's compile_s
     finally:
         if tier is not None:
             tier.close()
