@@ -118,6 +118,7 @@ def test_aoti_capabilities_match_what_compile_does(name, monkeypatch, tmp_path):
 
     monkeypatch.setattr(torch._inductor, "aot_compile", fake_compile)
     monkeypatch.setattr(aoti, "PARALLEL_COMPILE", False)  # in this process, where the stub is
+    monkeypatch.setattr(aoti, "probe_vec_isa", lambda: None)
     monkeypatch.setattr(torch._inductor.package, "package_aoti", lambda path, files: Path(path).write_bytes(b"pt2"))
 
     class One(torch.nn.Module):
