@@ -188,10 +188,12 @@ class Tiered:
             return f"loading the {self.backend} artifact"
         return self.build.phase
 
-    def poll(self, *sessions: Any, wait: bool = False) -> bool:
+    def poll(self, *sessions: Any, wait: bool = False, finish_loading: bool = False) -> bool:
         """Between two tokens: if the compiled artifact is ready, swap its programs into ``sessions``
         (their caches kept); True when that happened now. ``wait``: block until the build has landed
-        (or failed) first. Never raises for a failed build: ``error`` says what happened."""
+        (or failed) first; ``finish_loading``: once it has landed, block until it is loaded (a second or
+        two, e.g. before a chat turn) instead of answering on the eager programs meanwhile. Never raises
+        for a failed build: ``error`` says what happened."""
         if not self.pending:
             return self._swap(sessions) if self.compiled else False
         assert self.build is not None
@@ -206,7 +208,7 @@ class Tiered:
         if self._loading is None:
             self._loading = threading.Thread(target=self._load, args=(self.build.path,), daemon=True)
             self._loading.start()
-        if wait:
+        if wait or finish_loading:
             self._loading.join()
         if self._loading.is_alive():
             return False

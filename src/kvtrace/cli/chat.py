@@ -73,9 +73,9 @@ def _answer(conv: Any, text: str, args: argparse.Namespace, write: Callable[[str
     from kvtrace.runtime.generate import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-    if tier is not None:
-        tier.poll(conv.session)  # built while the user was typing
     switch = Switch(conv.session.label)
+    if tier is not None and tier.poll(conv.session, finish_loading=True):  # built while the user was typing
+        switch.now(conv.session.label)
     with conv.ask(text, max_new_tokens=args.max_new_tokens, sampling=sampling) as turn:
         try:
             for chunk in turn:

@@ -102,6 +102,8 @@ class Switch:
     def line(self) -> str:
         if self.at is None:
             return ""
+        if self.at == 1:
+            return f"switched to {self.after} before this answer (compiled in the background)"
         before, after = self._speeds()
         return (f"switched to {self.after} at token {self.at} ({self.before} {before:.1f} tokens/s before, "
                 f"{self.after} {after:.1f} after)")
