@@ -189,7 +189,7 @@ def _dequantize(data: np.ndarray, ggml_type: int) -> np.ndarray:
     if fast is None:
         return dequantize(data, ggml_type)
     block, nbytes = fast[1], fast[2]
-    blocks = torch.from_numpy(np.ascontiguousarray(data).reshape(-1, nbytes))  # [n_blocks, bytes]
+    blocks = torch.from_numpy(np.array(data, order="C").reshape(-1, nbytes))  # [n_blocks, bytes]: a copy of the file's
     out = fast[0](blocks)  # [n_blocks, block] float32
     return out.reshape(*data.shape[:-1], data.shape[-1] // nbytes * block).numpy()
 
