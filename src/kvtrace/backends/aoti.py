@@ -238,20 +238,42 @@ PARALLEL_COMPILE = True
 
 def _compile_in_processes(eps: dict[str, torch.export.ExportedProgram], opts: dict[str, dict[str, Any]],
                           no_cache: bool, tmp: Path) -> dict[str, list[str]]:
-    """Program name -> the files ``aot_compile`` wrote, each program compiled in a child process at once."""
+    """Program name -> the files ``aot_compile`` wrote, each program compiled in a child process at once.
+
+    The programs share their weights: those are written once (safetensors, memory-mapped by every child:
+    one copy in the page cache), each program's graph and example inputs on their own (torch's serializer,
+    as the ``exported`` backend stores programs)."""
     import subprocess
     import sys
 
-    import torch
+    from safetensors.torch import save_file
+    from torch._export.serde.serialize import serialize
 
+    weights: dict[str, torch.Tensor] = {}
+    for ep in eps.values():
+        weights.update(weights_of(ep))
+    stored: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    unique, aliases = {}, {}
+    for name, t in sorted(weights.items()):  # tied weights once (safetensors refuses shared storage)
+        key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+        if key in stored:
+            aliases[name] = stored[key]
+        else:
+            stored[key] = name
+            unique[name] = t.detach().contiguous()
+    save_file(unique, str(tmp / "weights.safetensors"))
     procs = {}
     try:
         for name, ep in eps.items():
+            art = serialize(ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=True)
+            (tmp / f"{name}.json").write_bytes(art.exported_program)
+            (tmp / f"{name}.inputs").write_bytes(art.example_inputs)
             job = tmp / f"{name}.job.json"
-            torch.export.save(ep, tmp / f"{name}.pt2")
-            job.write_text(json.dumps({"program": str(tmp / f"{name}.pt2"), "options": opts[name],
-                                       "no_cache": no_cache, "out": str(tmp / f"{name}.files.json")}))
-            procs[name] = subprocess.Popen(
+            job.write_text(json.dumps({"program": str(tmp / f"{name}.json"), "inputs": str(tmp / f"{name}.inputs"),
+                                       "weights": str(tmp / "weights.safetensors"), "aliases": aliases,
+                                       "options": opts[name], "no_cache": no_cache,
+                                       "out": str(tmp / f"{name}.files.json")}))
+            procs[name] = subprocess.Popen(  # started at once: it loads while the next program is written
                 [sys.executable, "-c", "from kvtrace.backends.aoti import _compile_worker; _compile_worker()",
                  str(job)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -276,12 +298,22 @@ def _compile_worker() -> None:
     import sys
 
     import torch
+    from safetensors.torch import load_file
+    from torch._export.serde.serialize import SerializedArtifact, deserialize
 
+    from kvtrace.backends.exported import _program_weight_names
     from kvtrace.capture.export import _example_args
 
     job = json.loads(Path(sys.argv[1]).read_text())
     torch.set_num_threads(1)  # code generation and g++ do not need torch's threads
-    ep = torch.export.load(job["program"])
+    blob = Path(job["program"]).read_bytes()
+    weights = load_file(job["weights"])
+    weights.update({alias: weights[name] for alias, name in job["aliases"].items()})
+    names = _program_weight_names(json.loads(blob))
+    state_dict: dict[str, torch.Tensor] = {n: weights[n] for n in names["buffers"]}
+    state_dict.update({n: torch.nn.Parameter(weights[n], requires_grad=False) for n in names["params"]})
+    constants = {n: weights[n] for n in names["constants"]}
+    ep = deserialize(SerializedArtifact(blob, state_dict, constants, Path(job["inputs"]).read_bytes()))
     probe_vec_isa()
     patch = torch.compiler.config.patch(**EXPORT_NO_CACHE) if job["no_cache"] else contextlib.nullcontext()
     with patch:
