@@ -233,7 +233,11 @@ def test_bench_quick_mode(hf_dir, tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(["bench", "--model", str(hf_dir), "--backends", "hf-eager,jit,exported", "--prompt-len", "4",
                  "--new-tokens", "4", "--runs", "1", "--max-seq-len", "64", "--json", str(out), "--plot", str(png)])
-    assert code == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    # stdout is not a terminal here: a full-width Markdown table, no header squeezed into 80 columns ("bac…")
+    assert "| backend | dtype | prompt | compile s | prefill ms | decode tok/s |" in printed and "…" not in printed
+    assert "| exported | float32 | 4 |" in printed and "fresh process |" in printed
     data = json.loads(out.read_text())
     assert data["bandwidth_gb_s"] > 0
     rows = {r["backend"]: r for r in data["results"]}
