@@ -1,6 +1,7 @@
 """Runtime: running programs over a declared cache.
 
-``session`` (one cache per conversation: prefill, decode, reset, rewind, snapshot), ``generate``
+``session`` (one cache per conversation: prefill, decode, reset, rewind, snapshot, swap to other
+programs of the same CacheSpec; ``eager_programs`` of a Decoder), ``generate``
 (sampling, stop ids, streaming, stats), ``chat`` (``Conversation``: many turns on one session, each
 prefilling only its new tokens; undo, save/load), ``jit`` (``kvtrace.jit``: HF-style calls → prologue checks →
 captured program → epilogue write-back into the caller's cache object), with its parts ``jit_call`` (the
