@@ -14,8 +14,8 @@ EXPECTED = ERRORS | {
     "CacheSpec", "LayerKind", "LayerSpec", "LayerState", "BufferSpec", "ProgramSpec", "InputSpec", "Decoder",  # declared state and programs
     "jit", "JittedModel", "JitStats",  # HF-style calls
     "export", "load", "Artifact", "Manifest", "QuantSpec",  # artifacts
-    "Session", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
-    "Chunk", "Conversation", "Turn", "TurnStats", "Capturer", "EagerCapturer", "GraphStats",  # running
+    "Session", "ProgramSet", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult",
+    "GenerationStats", "Chunk", "Conversation", "Turn", "TurnStats", "Capturer", "EagerCapturer", "GraphStats",  # running
     "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
     "DecoderRunner",
     "lint", "LintReport", "Finding",  # tools

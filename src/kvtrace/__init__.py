@@ -52,6 +52,7 @@ _LAZY = {
     "QuantSpec": "kvtrace.spec.quant",
     # running: sessions and generation
     "Session": "kvtrace.runtime.session",
+    "ProgramSet": "kvtrace.runtime.session",
     "Snapshot": "kvtrace.runtime.session",
     "Sampling": "kvtrace.runtime.generate",
     "generate": "kvtrace.runtime.generate",
@@ -110,6 +111,7 @@ __all__ = [
     "LayerState",
     "LintReport",
     "Manifest",
+    "ProgramSet",
     "ProgramSpec",
     "Prompt",
     "QuantSpec",
@@ -149,7 +151,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from kvtrace.runtime.graphs import Capturer, EagerCapturer, GraphStats
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
-    from kvtrace.runtime.session import Session, Snapshot
+    from kvtrace.runtime.session import ProgramSet, Session, Snapshot
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest

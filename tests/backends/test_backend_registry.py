@@ -14,7 +14,7 @@ import torch
 import kvtrace
 from conftest import tiny_model
 from kvtrace._errors import ArtifactError, UsageError
-from kvtrace.backends import registry
+from kvtrace.backends import aoti, registry
 from kvtrace.backends.aoti import PACKAGE
 from kvtrace.backends.base import Backend
 from kvtrace.backends.exported import ExportedBackend
@@ -117,6 +117,8 @@ def test_aoti_capabilities_match_what_compile_does(name, monkeypatch, tmp_path):
         return [str(tmp_path / "x.so")]
 
     monkeypatch.setattr(torch._inductor, "aot_compile", fake_compile)
+    monkeypatch.setattr(aoti, "PARALLEL_COMPILE", False)  # in this process, where the stub is
+    monkeypatch.setattr(aoti, "probe_vec_isa", lambda: None)
     monkeypatch.setattr(torch._inductor.package, "package_aoti", lambda path, files: Path(path).write_bytes(b"pt2"))
 
     class One(torch.nn.Module):

@@ -140,3 +140,36 @@ def test_json_lines_on_stdin(art_path, tmp_path):
     assert out[3] == {"command": "/undo", "result": out[3]["result"]} and "forgotten" in out[3]["result"]
     assert "only user messages" in out[4]["error"]
     assert out[5]["content"] == want[1][0]  # after undo, the same second turn again
+
+
+def test_chat_on_a_model_source_starts_eager_and_switches_to_the_compiled_programs(art_path, tmp_path):
+    """Tiered start in a chat: the first turn answers while the artifact builds in the background; the next
+    turn, once the build is in the cache, runs the compiled programs on the same cache (nothing re-prefilled
+    but the new turn), and both answers are the library's over the compiled artifact."""
+    import time
+
+    want = _in_process(art_path, ["hello world", "the cat sat"])
+    env = _env(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "chat", str(art_path.parent), "--json",
+                             "--backend", "exported", "--max-seq-len", "96", "--max-new-tokens", str(ANSWER)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        proc.stdin.write(json.dumps({"content": "hello world"}) + "\n")
+        proc.stdin.flush()
+        first = json.loads(proc.stdout.readline())
+        artifacts = tmp_path / "c" / "artifacts"
+        t0 = time.monotonic()
+        while not list(artifacts.glob("*.kvt")) or list(artifacts.glob("*.lock")):  # the build lands in the cache
+            assert time.monotonic() - t0 < 600 and proc.poll() is None
+            time.sleep(0.2)
+        time.sleep(3)  # and its process reports it
+        proc.stdin.write(json.dumps({"content": "the cat sat"}) + "\n")
+        proc.stdin.close()
+        second = json.loads(proc.stdout.readline())
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert (first["content"], second["content"]) == (want[0][0], want[1][0])
+    assert second["stats"]["programs"] == "exported" and second["stats"]["switched_at"] == 1
+    assert second["stats"]["prefilled"] == want[1][1]["prefilled"]  # the cache carried over the switch

@@ -233,7 +233,11 @@ def test_bench_quick_mode(hf_dir, tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(["bench", "--model", str(hf_dir), "--backends", "hf-eager,jit,exported", "--prompt-len", "4",
                  "--new-tokens", "4", "--runs", "1", "--max-seq-len", "64", "--json", str(out), "--plot", str(png)])
-    assert code == 0, capsys.readouterr()
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    # stdout is not a terminal here: a full-width Markdown table, no header squeezed into 80 columns ("bac…")
+    assert "| backend | dtype | quant | prompt | compile s | prefill ms | decode tok/s |" in printed and "…" not in printed
+    assert "| exported | float32 | none | 4 |" in printed and "fresh process |" in printed
     data = json.loads(out.read_text())
     assert data["bandwidth_gb_s"] > 0
     rows = {r["backend"]: r for r in data["results"]}
@@ -466,3 +470,36 @@ def test_verify_reports_a_candidate_it_cannot_build_and_runs_the_others(hf_dir, 
 def test_verify_missing_artifact_is_bad_input(hf_dir, capsys):
     assert _code(["verify", str(hf_dir), "--artifact", "/nonexistent.kvt"]) == 2
     assert "--artifact /nonexistent.kvt does not exist" in _only_line(capsys)
+
+
+def test_generate_answers_at_once_then_caches_the_compiled_artifact(hf_dir, capsys):
+    """Tiered start: the first run answers on the eager decoder while the build runs in the background,
+    waits for that build after the answer, and the next run is a cache hit on the compiled programs."""
+    args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+            "--max-new-tokens", "4", "--raw", "--json"]
+    assert main(args) == 0
+    cap = capsys.readouterr()
+    first = json.loads(cap.out)
+    assert first["cache_hit"] is False and first["compile_s"] > 0 and "build_error" not in first
+    assert first["programs"] in ("eager", "exported")
+    assert main(args) == 0
+    second = json.loads(capsys.readouterr().out)
+    assert second["cache_hit"] is True and second["programs"] == "exported" and second["compile_s"] == 0
+    assert second["tokens"] == first["tokens"]  # greedy: the eager programs answer as the compiled ones
+
+
+def test_generate_no_tiered_compiles_first(hf_dir, capsys):
+    args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+            "--max-new-tokens", "4", "--raw", "--no-tiered"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "compiled in" in err and "background" not in err
+
+
+def test_generate_says_it_compiles_in_the_background(hf_dir, capsys):
+    args = ["generate", "hello world", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+            "--max-new-tokens", "4", "--raw"]
+    assert main(args) == 0
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert "compiling it in the background" in err and "answering with the eager decoder" in err
+    assert "exported artifact cached (built in" in err

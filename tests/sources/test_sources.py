@@ -257,12 +257,12 @@ def test_gguf_whose_values_are_not_finite_is_not_cached(tmp_path):
 
 
 def test_conversion_errors_inside_transformers_are_source_errors(tmp_path, monkeypatch):
-    import transformers
+    import transformers.integrations.gguf as hf_gguf
 
     def boom(*args, **kwargs):
         raise AssertionError("Padding_idx must be within num_embeddings")
 
-    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", boom)
+    monkeypatch.setattr(hf_gguf, "convert_gguf_tokenizer", boom)  # what the conversion asks of transformers
     with pytest.raises(SourceError, match=r"could not convert .*AssertionError: Padding_idx.*convert_hf_to_gguf"):
         load_model(write_gguf(tmp_path / "m.gguf"))
     assert list_cache() == []

@@ -56,7 +56,7 @@ from kvtrace.artifact.write import dedupe_weights, program_signature, write_arti
 from kvtrace.backends import registry
 from kvtrace.runtime.chat import Conversation
 from kvtrace.runtime.graphs import Capturer
-from kvtrace.runtime.session import Session
+from kvtrace.runtime.session import ProgramSet, Session
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.device import check_available, concrete
 from kvtrace.spec.device import resolve as resolve_device
@@ -94,13 +94,15 @@ class Artifact:
         if want.type != self.device.type or want.index not in (None, self.device.index):
             raise UsageError(f"{self.path.name} was loaded on {self.device}, its weights and programs live there; "
                              f"a session on {device} needs kvtrace.load(path, device={str(device)!r})")
-        extra = {n: (spec, self._programs[n]) for n, spec in self.manifest.programs.items()
-                 if n not in ("prefill", "decode")}
-        return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"], device=self.device,
-                       vocab_size=self.manifest.vocab_size, extra=extra,
-                       prefill_logits=self.manifest.programs["prefill"].logits,
-                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity,
-                       cuda_graphs=cuda_graphs, capturer=capturer, quant=self.manifest.quant)
+        return Session.of(self.program_set(), device=self.device, cuda_graphs=cuda_graphs, capturer=capturer)
+
+    def program_set(self) -> ProgramSet:
+        """This artifact's programs with what they declare: what a Session runs (``Session.swap`` takes it)."""
+        m = self.manifest
+        extra = {n: (spec, self._programs[n]) for n, spec in m.programs.items() if n not in ("prefill", "decode")}
+        return ProgramSet(self.cache_spec, self._programs["prefill"], self._programs["decode"], extra=extra,
+                          prefill_logits=m.programs["prefill"].logits, key_pos=m.programs["prefill"].key_pos,
+                          vocab_size=m.vocab_size, identity=self.identity, label=m.backend, quant=m.quant)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -25,10 +26,10 @@ from kvtrace.capture.export import capture_programs, with_prefill_logits
 from kvtrace.spec.device import check_available, concrete
 from kvtrace.spec.device import resolve as resolve_device
 from kvtrace.spec.manifest import Manifest, ModelInfo
-from kvtrace.spec.program import program_specs
+from kvtrace.spec.program import ProgramSpec, program_specs
 from kvtrace.spec.quant import QuantSpec, parse_quant
 
-__all__ = ["export"]
+__all__ = ["export", "from_source", "make_manifest"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -253,25 +254,51 @@ def export(
         ) from e
     unique, aliases = ({}, {}) if chosen.packs_weights else dedupe_weights(weights)  # packed: in the program
     vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
+    manifest = dataclasses.replace(
+        make_manifest(backend, decoder, info, programs, vocab),
+        weight_aliases=aliases,
+        quant=qspec,
+        device=dev.type,
+        export_seconds=round(time.perf_counter() - t0, 3),
+        # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
+        signatures={n: program_signature(ep) for n, ep in compiled.items()},
+    )
+    return write_artifact(path, manifest, unique, files, tokenizer_json)
+
+
+def make_manifest(backend: str, decoder: torch.nn.Module, info: ModelInfo, programs: tuple[ProgramSpec, ...],
+                  vocab: int) -> Manifest:
+    """The manifest of ``decoder``'s ``programs`` (before the writer records members, weights and signatures)."""
     from kvtrace import __version__
 
-    manifest = Manifest(
+    return Manifest(
         backend=backend,
         cache_spec=decoder.cache_spec,
         vocab_size=vocab,
         programs={p.name: p for p in programs},
         **asdict(info),
         generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
-        weight_aliases=aliases,
-        quant=qspec,
         kvtrace_version=__version__,
         torch_version=torch.__version__,
-        export_seconds=round(time.perf_counter() - t0, 3),
-        # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
-        signatures={n: program_signature(ep) for n, ep in compiled.items()},
-        device=dev.type,
     )
-    return write_artifact(path, manifest, unique, files, tokenizer_json)
+
+
+def from_source(source: Any, *, dtype: str | torch.dtype, max_seq_len: int, batch_size: int = 1,
+                kv_dtype: str | None = None, quant: str | QuantSpec | None = None,
+                quant_group_size: int | None = None, quant_head: bool = True,
+                ) -> tuple[torch.nn.Module, int, ModelInfo, str | None, QuantSpec | None]:
+    """(decoder, vocab_size, model info, tokenizer JSON or None, quantization applied or None) of a model source,
+    as ``export`` builds them (with ``quant``: its quantized weights, as the artifact of that quantization
+    computes them). CPU only."""
+    tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if tdtype not in DTYPES.values():
+        raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    decoder, model, info, tokenizer_json, qspec = _from_source(
+        source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size, kv_dtype=_kv_dtype(kv_dtype),
+        quant=parse_quant(quant, quant_group_size, quant_head))
+    if model is None:
+        raise UsageError("from_source takes a model source or an HF model, not a Decoder")
+    return decoder, model.config.get_text_config(decoder=True).vocab_size, info, tokenizer_json, qspec
 
 
 def _kv_dtype(kv_dtype: Any) -> str | None:

@@ -30,7 +30,7 @@ import torch
 
 from kvtrace._errors import ArtifactError, UsageError
 
-__all__ = ["BuildResult", "artifact_key", "cached_artifact", "clear_artifacts", "list_artifacts"]
+__all__ = ["BuildResult", "artifact_key", "cached_artifact", "clear_artifacts", "entry_path", "list_artifacts"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,16 @@ def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, bat
                        *([] if device == "cpu" else [f"device={device}"]),  # a CPU entry's key as before
                        *([] if quant is None else [f"quant={quant}"])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
+
+
+def entry_path(src: Any, *, backend: str, max_seq_len: int, dtype: str = "float32", batch_size: int = 1,
+               prefill_logits: str = "last", kv_dtype: str | None = None, device: str = "cpu",
+               quant: str | None = None) -> Path:
+    """Where the cache keeps the artifact of a resolved source (``ModelSource``) with these options
+    (``quant``: a ``QuantSpec.key``)."""
+    key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
+                       prefill_logits=prefill_logits, kv_dtype=kv_dtype, device=device, quant=quant)
+    return _artifacts_dir() / f"{src.name}-{backend}-{key}.kvt"
 
 
 def _artifacts_dir() -> Path:
@@ -129,7 +139,8 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
                     batch_size: int = 1, prefill_logits: str = "last", progress: Any = None,
                     load: bool = False, notice: Callable[[str], None] | None = None,
                     kv_dtype: str | None = None, device: str = "cpu", quant: str | None = None,
-                    quant_group_size: int | None = None, quant_head: bool = True) -> BuildResult:
+                    quant_group_size: int | None = None, quant_head: bool = True,
+                    build: bool = True) -> BuildResult | None:
     """The artifact for ``source`` with these options, exporting it on a cache miss. Its prefill returns
     the last position's logits by default (what a generation samples from; see ``export``); ``kv_dtype``
     ("int8") asks for a quantized KV cache, ``quant`` (``export``'s) for quantized weights, ``device`` ("cuda")
@@ -138,6 +149,8 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
     ``load=True`` also loads it (``BuildResult.artifact``): a cached entry that ``kvtrace.load``
     refuses is then deleted and rebuilt, and ``notice`` (if given) gets one line saying so. A freshly
     built artifact that does not load raises its ArtifactError and is not kept.
+
+    ``build=False`` looks only: None on a miss (a refused entry is deleted, so that a build rebuilds it).
     """
     from kvtrace.artifact.archive import load as load_artifact
     from kvtrace.artifact.export import export
@@ -150,10 +163,9 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
     check_available(dev, f"device {dev}")  # before any model is read or compiled
     src = resolve_source(source)
     qspec = parse_quant(quant, quant_group_size, quant_head)
-    key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
-                       prefill_logits=prefill_logits, kv_dtype=kv_dtype, device=dev.type,
-                       quant=qspec.key if qspec else None)
-    path = _artifacts_dir() / f"{src.name}-{backend}-{key}.kvt"
+    path = entry_path(src, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
+                      prefill_logits=prefill_logits, kv_dtype=kv_dtype, device=dev.type,
+                      quant=qspec.key if qspec else None)
     refused: tuple[int, int, int] | None = None  # the stamp of the entry that failed to load
 
     def hit() -> BuildResult | None:
@@ -172,7 +184,11 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
             return None
 
     found = hit()
-    if found is not None:
+    if found is not None or not build:
+        if found is None and refused is not None:
+            with _locked(path):  # nobody else is writing it
+                if _stamp(path) == refused:
+                    path.unlink(missing_ok=True)
         return found
     with _locked(path):
         found = hit()  # another process may have built (or rebuilt) it while this one waited

@@ -21,7 +21,7 @@ from kvtrace._errors import CaptureError, UsageError
 from kvtrace.capture.preserve import preserved
 from kvtrace.spec.program import LOGITS, InputSpec, ProgramSpec, program_specs
 
-__all__ = ["capture_programs", "device_of", "with_prefill_logits"]
+__all__ = ["capture_programs", "device_of", "method_module", "with_prefill_logits"]
 
 def capture_programs(decoder: torch.nn.Module,
                      programs: tuple[ProgramSpec, ...] | None = None) -> dict[str, torch.export.ExportedProgram]:
@@ -44,7 +44,7 @@ def capture_programs(decoder: torch.nn.Module,
                                f"this cache holds {spec.max_seq_len}")
         args = (torch.zeros(spec.batch_size, t, dtype=torch.int64, device=dev), torch.arange(t, device=dev), *keys,
                 *(_example_input(i, spec.batch_size, t, dev) for i in p.inputs), *spec.allocate(dev))
-        method = _method_module(decoder, p)
+        method = method_module(decoder, p)
         shapes = None
         if t > 1 or p.key_pos:
             shapes = _dynamic_shapes(method, args, p, Dim("T", min=1, max=spec.max_seq_len) if t > 1 else None,
@@ -69,7 +69,7 @@ def device_of(module: torch.nn.Module) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _method_module(decoder: torch.nn.Module, program: ProgramSpec) -> torch.nn.Module:
+def method_module(decoder: torch.nn.Module, program: ProgramSpec) -> torch.nn.Module:
     """``decoder`` itself, or a shallow copy whose ``forward`` is another method and/or whose
     ``last_logits`` is set: the same parameter objects under the same names, so every program shares
     one weight set."""

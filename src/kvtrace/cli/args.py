@@ -110,6 +110,14 @@ def choice_list(choices: tuple[str, ...]) -> Callable[[str], str]:
     return parse
 
 
+def tiered_arg(p: argparse.ArgumentParser) -> None:
+    """``--no-tiered``: on an artifact-cache miss, wait for the compile instead of starting on the eager decoder."""
+    p.add_argument("--no-tiered", dest="tiered", action="store_false", default=True,
+                   help="on a cache miss, compile first and answer after (default: answer at once with the eager "
+                        "decoder while the compile runs in a background process, then switch to the compiled "
+                        "programs between two tokens, the cache kept)")
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=POSITIVE, default=None)

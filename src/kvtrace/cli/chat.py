@@ -15,25 +15,24 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace._errors import KvtraceError, UsageError
-from kvtrace.cli.args import POSITIVE, SEED, probability, temperature
+from kvtrace.cli.args import POSITIVE, SEED, probability, temperature, tiered_arg
 from kvtrace.cli.ui import UI
 
 HELP = ("/reset  start over    /undo  forget the last turn    /save FILE  /load FILE  the conversation and its "
         "cache\n/stats  the last turn's numbers    /quit or Ctrl-D  leave    Ctrl-C  stop the answer being written")
 
 
-def _open(args: argparse.Namespace, ui: UI) -> Any:
-    """The artifact: a file written by ``kvtrace export``, or a model source compiled (and cached) as generate does."""
+def _open(args: argparse.Namespace, ui: UI) -> tuple[Any, Any]:
+    """(artifact, tier): a file written by ``kvtrace export``, or a model source as generate opens it (the
+    cached artifact, else the eager programs while the compile runs in the background)."""
     from kvtrace.artifact.archive import load
-    from kvtrace.artifact.store import cached_artifact
+    from kvtrace.cli.generate import open_model
 
     if args.model is not None and Path(args.model).is_file() and Path(args.model).suffix == ".kvt":
         with ui.step(f"loading {args.model}"):
-            return load(args.model)
-    built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                            progress=ui.step, load=True, notice=ui.notice)
-    ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
-    return built.artifact
+            return load(args.model), None
+    art, tier, _ = open_model(args, ui)
+    return art, tier
 
 
 def _conversation(art: Any, system: str | None) -> Any:
@@ -66,21 +65,30 @@ def _command(conv: Any, line: str) -> tuple[bool, str]:
     raise UsageError(f"unknown command {name!r}; the commands are /reset /undo /save /load /stats /help /quit")
 
 
-def _answer(conv: Any, text: str, args: argparse.Namespace, write: Callable[[str], None]) -> Any:
-    """One turn, streamed through ``write``; Ctrl-C stops it and keeps what was written."""
+def _answer(conv: Any, text: str, args: argparse.Namespace, write: Callable[[str], None],
+            tier: Any = None) -> tuple[Any, Any]:
+    """One turn, streamed through ``write``; Ctrl-C stops it and keeps what was written. With a ``tier``
+    the session switches to the compiled programs between two tokens once they are built."""
+    from kvtrace.cli.generate import Switch
     from kvtrace.runtime.generate import Sampling
 
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    switch = Switch(conv.session.label)
+    if tier is not None and tier.poll(conv.session, finish_loading=True):  # built while the user was typing
+        switch.now(conv.session.label)
     with conv.ask(text, max_new_tokens=args.max_new_tokens, sampling=sampling) as turn:
         try:
             for chunk in turn:
                 write(chunk.text)
+                switch.token()
+                if tier is not None and tier.poll(conv.session):
+                    switch.now(conv.session.label)
         except KeyboardInterrupt:
             write(" [stopped]")
-    return turn
+    return turn, switch
 
 
-def _interactive(conv: Any, args: argparse.Namespace, ui: UI) -> int:
+def _interactive(conv: Any, args: argparse.Namespace, ui: UI, tier: Any = None) -> int:
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:  # not on every platform
@@ -110,14 +118,19 @@ def _interactive(conv: Any, args: argparse.Namespace, ui: UI) -> int:
                     return 0
                 write(said + "\n")
                 continue
-            turn = _answer(conv, line, args, write)
+            turn, switch = _answer(conv, line, args, write, tier)
             write("\n")
             ui.info(f"[dim]{turn.stats.line()}[/dim]")
+            if switch.line():
+                ui.info(f"[dim]{switch.line()}[/dim]")
+            if tier is not None and tier.error:
+                ui.notice(f"{tier.error}; the chat goes on with the eager decoder")
+                tier = None
         except KvtraceError as e:  # one bad turn or command never ends the chat
             write(f"error: {e}\n")
 
 
-def _json_lines(conv: Any, args: argparse.Namespace) -> int:
+def _json_lines(conv: Any, args: argparse.Namespace, tier: Any = None) -> int:
     """--json: one JSON object per stdin line, {"content": "..."} (a user turn) or {"command": "/reset"};
     one JSON object per answer on stdout."""
     for n, raw in enumerate(sys.stdin, 1):
@@ -134,8 +147,8 @@ def _json_lines(conv: Any, args: argparse.Namespace) -> int:
                 _, said = _command(conv, msg["command"])
                 out: dict[str, Any] = {"command": msg["command"], "result": said}
             else:
-                turn = _answer(conv, msg["content"], args, lambda s: None)
-                out = {"role": "assistant", "content": turn.text, "stats": turn.stats.to_dict()}
+                turn, switch = _answer(conv, msg["content"], args, lambda s: None, tier)
+                out = {"role": "assistant", "content": turn.text, "stats": {**turn.stats.to_dict(), **switch.to_dict()}}
         except json.JSONDecodeError as e:
             out = {"error": f"line {n} is not JSON ({e.msg}); expected one JSON object per line"}
         except KvtraceError as e:
@@ -145,8 +158,17 @@ def _json_lines(conv: Any, args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace, ui: UI) -> int:
-    conv = _conversation(_open(args, ui), args.system)
-    return _json_lines(conv, args) if ui.json_mode else _interactive(conv, args, ui)
+    from kvtrace.cli.generate import finish_build
+
+    art, tier = _open(args, ui)
+    try:
+        conv = _conversation(art, args.system)
+        code = _json_lines(conv, args, tier) if ui.json_mode else _interactive(conv, args, ui, tier)
+        finish_build(ui, tier)
+        return code
+    finally:
+        if tier is not None:
+            tier.close()
 
 
 def register(add: Callable[..., argparse.ArgumentParser]) -> None:
@@ -162,6 +184,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--backend", choices=sorted(registry.names()), default="aoti")
     p.add_argument("--max-seq-len", type=POSITIVE, default=2048, help="the whole conversation's tokens (default 2048)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    tiered_arg(p)
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=POSITIVE, default=None)
     p.add_argument("--top-p", type=probability, default=None, help="in (0, 1]")

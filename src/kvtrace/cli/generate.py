@@ -11,7 +11,15 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, kv_dtype_arg, quant_args, sampling_args
+from kvtrace.cli.args import (
+    POSITIVE,
+    cuda_graphs_arg,
+    device_arg,
+    kv_dtype_arg,
+    quant_args,
+    sampling_args,
+    tiered_arg,
+)
 from kvtrace.cli.ui import UI
 
 
@@ -40,8 +48,11 @@ def check_cuda_graphs(art: Any, args: argparse.Namespace) -> None:
                          f"{art.device} (export it with --device cuda, or drop --cuda-graphs)")
 
 
-def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_new: int) -> dict[str, Any]:
-    from kvtrace.runtime.generate import Sampling, generate
+def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_new: int,
+                  tier: Any = None) -> dict[str, Any]:
+    """Stream the answer to stdout. ``tier`` (an ``artifact.tiered.Tiered``): the session starts on its eager
+    programs and switches to the compiled ones between two tokens once their background build lands."""
+    from kvtrace.runtime.generate import Sampling, stream
 
     ids = encode(art, prompt, args.chat)
     room = art.cache_spec.max_seq_len - len(ids)
@@ -52,20 +63,70 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
         )
     tok = art.tokenizer()
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
-
-    def on_text(delta: str) -> None:
-        if not ui.json_mode:
-            sys.stdout.write(delta)
-            sys.stdout.flush()
-
     inputs = image_inputs(art, getattr(args, "image_features", None))
-    res = generate(art.session(cuda_graphs=getattr(args, "cuda_graphs", False)), ids, max_new_tokens=min(max_new, room), sampling=sampling, inputs=inputs,
-                   eos_ids=art.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True),
-                   on_text=on_text)
+    session = art.session(cuda_graphs=getattr(args, "cuda_graphs", False))
+    gen = stream(session, ids, max_new_tokens=min(max_new, room), sampling=sampling, inputs=inputs,
+                 eos_ids=art.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True))
+    switch = Switch(session.label)
+    for chunk in gen:
+        if chunk.text and not ui.json_mode:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        switch.token()
+        if tier is not None and tier.poll(session):
+            switch.now(session.label)
+    switch.end()
+    res = gen.result
     if not ui.json_mode:
         sys.stdout.write("\n")
     ui.info(f"[dim]{res.stats.line()}[/dim]")
-    return {"text": res.text, "tokens": res.tokens, **res.stats.to_dict()}
+    if switch.line():
+        ui.info(f"[dim]{switch.line()}[/dim]")
+    return {"text": res.text, "tokens": res.tokens, **res.stats.to_dict(), **switch.to_dict()}
+
+
+class Switch:
+    """When a tiered session switched programs (between two tokens) and the decode speed on each side."""
+
+    def __init__(self, label: str):
+        self.before, self.after = label, ""
+        self.n = 0  # tokens generated so far
+        self.at: int | None = None  # the first token the new programs produced
+        self._t = [time.perf_counter()]  # time of each token (the first one: prefill's)
+        self._at_t = 0.0
+
+    def token(self) -> None:
+        self.n += 1
+        self._t.append(time.perf_counter())
+
+    def now(self, label: str) -> None:
+        self.at, self.after = self.n + 1, label
+        self._at_t = time.perf_counter()
+
+    def end(self) -> None:
+        self._end = time.perf_counter()
+
+    def _speeds(self) -> tuple[float, float]:
+        if self.at is None:
+            return 0.0, 0.0
+        before = (self.at - 2) / (self._t[self.at - 1] - self._t[1]) if self.at > 2 else 0.0  # decode steps only
+        n_after = self.n - self.at + 1
+        after = n_after / (self._t[-1] - self._at_t) if n_after > 0 else 0.0
+        return before, after
+
+    def line(self) -> str:
+        if self.at is None:
+            return ""
+        if self.at == 1:
+            return f"switched to {self.after} before this answer (compiled in the background)"
+        before, after = self._speeds()
+        return (f"switched to {self.after} at token {self.at} ({self.before} {before:.1f} tokens/s before, "
+                f"{self.after} {after:.1f} after)")
+
+    def to_dict(self) -> dict[str, Any]:
+        before, after = self._speeds()
+        return {"programs": self.after or self.before, **({"switched_at": self.at, "tokens_per_s_before": round(before, 2),
+                "tokens_per_s_after": round(after, 2)} if self.at is not None else {})}
 
 
 def image_inputs(art: Any, path: str | None) -> dict[str, Any]:
@@ -87,23 +148,75 @@ def image_inputs(art: Any, path: str | None) -> dict[str, Any]:
     return tensors
 
 
-def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
+def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) -> tuple[Any, Any, float]:
+    """(artifact, tier, compile seconds) for a model source: the cached artifact, else (tiered, the default)
+    the eager programs with the build in the background (``tier``), else (``--no-tiered``) built now."""
     from kvtrace.artifact.store import cached_artifact
 
+    device = getattr(args, "device", "cpu")
+    quant = {k: getattr(args, k) for k in ("quant", "quant_group_size", "quant_head") if hasattr(args, k)}
+    # the tiered start runs eager programs on the CPU; a GPU artifact is compiled first (--device cuda)
+    if not args.tiered or str(device) != "cpu":
+        built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
+                                progress=ui.step, load=True, notice=ui.notice, kv_dtype=kv_dtype, device=device,
+                                **quant)
+        ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
+        return built.artifact, None, built.seconds
+    from kvtrace.artifact import tiered
+
+    tier = tiered.start(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
+                        progress=ui.step, notice=ui.notice, kv_dtype=kv_dtype, **quant)
+    if tier.build is None:
+        ui.info(f"[dim]cache hit: {tier.artifact.path}[/dim]")
+    else:
+        ui.info(f"[dim]no cached {args.backend} artifact yet: compiling it in the background (pid {tier.build.pid}, "
+                f"nice {tiered.NICE}); answering with the eager decoder meanwhile[/dim]")
+    return tier.artifact, tier, 0.0
+
+
+def finish_build(ui: UI, tier: Any) -> dict[str, Any]:
+    """After the answer: wait for a background build still running, so the next start is compiled
+    (Ctrl-C skips it: the build is stopped and leaves nothing the cache would load)."""
+    if tier is None or tier.build is None:
+        return {}
+    build = tier.build
+    if build.running:
+        try:
+            with ui.live("") as update:
+                while not build.wait(0.5):
+                    update(f"background build: {build.phase} ({time.perf_counter() - build.started:.0f}s); "
+                           "finishing it for the next run (Ctrl-C skips it)")
+        except KeyboardInterrupt:
+            tier.close()
+            ui.notice("background build stopped; the next run starts it again")
+    build.poll()
+    if build.path is not None:
+        ui.info(f"[dim]{tier.backend} artifact cached (built in {build.seconds:.1f}s in the background): "
+                f"{build.path}[/dim]")
+    elif build.error not in (None, "cancelled"):
+        ui.notice(f"the background {tier.backend} build failed: {build.error}")
+    error = tier.error or build.error
+    return {"compile_s": build.seconds or 0.0, **({"build_error": error} if error else {})}
+
+
+def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
     prompt = read_prompt(args.prompt)
     t0 = time.perf_counter()
     # loads (and so checks) the artifact too; a cached one that fails its integrity check is rebuilt
-    built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                            progress=ui.step, load=True, notice=ui.notice, kv_dtype=args.kv_dtype,
-                            device=args.device, quant=args.quant, quant_group_size=args.quant_group_size,
-                            quant_head=args.quant_head)
-    art = built.artifact
-    check_cuda_graphs(art, args)
-    load_s = time.perf_counter() - t0
-    ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
-    out = generate_text(ui, art, prompt, args, args.max_new_tokens)
-    out.update(load_s=round(load_s, 2), compile_s=round(built.seconds, 2), cache_hit=built.cache_hit)
-    ui.info(f"[dim]load {load_s:.1f}s ({'cache hit' if built.cache_hit else f'compile {built.seconds:.1f}s'})[/dim]")
+    art, tier, compile_s = open_model(args, ui, kv_dtype=args.kv_dtype)
+    try:
+        check_cuda_graphs(art, args)
+        load_s = time.perf_counter() - t0
+        out = generate_text(ui, art, prompt, args, args.max_new_tokens, tier=tier)
+        if tier is not None and tier.error:
+            ui.notice(f"{tier.error}; the answer ran on the eager decoder")
+        out.update(load_s=round(load_s, 2), compile_s=round(compile_s, 2),
+                   cache_hit=not compile_s and (tier is None or tier.build is None))
+        out.update(finish_build(ui, tier))  # a background build's compile_s
+    finally:
+        if tier is not None:
+            tier.close()
+    ui.info(f"[dim]ready in {load_s:.1f}s[/dim]")
     if ui.json_mode:
         print(json.dumps(out))
     return 0
@@ -122,6 +235,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     kv_dtype_arg(p)
     quant_args(p)
+    tiered_arg(p)
     sampling_args(p)
     device_arg(p)
     cuda_graphs_arg(p)

@@ -7,7 +7,7 @@ import contextlib
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from kvtrace._errors import UsageError
@@ -35,6 +35,15 @@ class UI:
         with self.err.status(f"{what}..."):
             yield
         self.err.print(f"[dim]{what}: {time.perf_counter() - t0:.1f}s[/dim]")
+
+    @contextlib.contextmanager
+    def live(self, what: str) -> Iterator[Callable[[str], None]]:
+        """A status line whose text the caller updates (``update(text)``); nothing in quiet mode."""
+        if self.quiet:
+            yield lambda text: None
+            return
+        with self.err.status(what) as status:
+            yield lambda text: status.update(text)
 
     def info(self, text: str) -> None:
         if not self.quiet:

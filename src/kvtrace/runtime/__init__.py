@@ -1,7 +1,8 @@
 """Runtime: running programs over a declared cache.
 
-``session`` (one cache per conversation: prefill, decode, reset, rewind, snapshot), ``graphs`` (decode
-replayed from CUDA graphs over static buffers and the session's own state; ``EagerCapturer`` without a GPU), ``generate``
+``session`` (one cache per conversation: prefill, decode, reset, rewind, snapshot, swap to other
+programs of the same CacheSpec; ``eager_programs`` of a Decoder), ``graphs`` (decode replayed from CUDA graphs over
+static buffers and the session's own state; ``EagerCapturer`` without a GPU), ``generate``
 (sampling, stop ids, streaming, stats), ``chat`` (``Conversation``: many turns on one session, each
 prefilling only its new tokens; undo, save/load), ``jit`` (``kvtrace.jit``: HF-style calls → prologue checks →
 captured program → epilogue write-back into the caller's cache object), with its parts ``jit_call`` (the

@@ -18,7 +18,10 @@ Invariants:
   restored only into a session of the same one;
 - a Session is not thread-safe and says so: a call made while another thread is inside a call on the
   same session raises ``UsageError`` instead of interleaving two updates of one cache (use one session
-  per thread, or serialize calls yourself).
+  per thread, or serialize calls yourself);
+- the cache belongs to the Session, not to its programs: ``swap`` replaces the programs between two calls
+  (e.g. eager ones by the compiled ones of the same model once they are built) and keeps the cache and the
+  position, refusing programs that declare another CacheSpec, vocabulary, logits layout or extra programs.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import operator
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,7 +41,7 @@ from kvtrace.runtime.graphs import Capturer, CudaCapturer, GraphDecode, GraphSta
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import InputSpec, ProgramSpec
 
-__all__ = ["Session", "Snapshot"]
+__all__ = ["ProgramSet", "Session", "Snapshot", "eager_programs"]
 
 Program = Callable[..., torch.Tensor]  # (tokens [B, T], input_pos [T], *state) -> logits [B, T, V]
 Tokens = torch.Tensor | Sequence[int] | Sequence[Sequence[int]]  # [B, T] ids; a flat list is one row
@@ -56,6 +59,42 @@ class Snapshot:
     state: tuple[torch.Tensor, ...]
     filled: frozenset[str] = frozenset()  # `once` programs that had run (e.g. the image prefill)
     identity: str = ""
+
+
+@dataclass(frozen=True)
+class ProgramSet:
+    """What a Session runs over its cache: prefill and decode (and extra programs, by name), with what
+    they declare — the CacheSpec they read and write, whether prefill returns the last position's logits
+    only, whether they take ``key_pos`` — and a label for messages (e.g. the backend: "aoti", "eager").
+
+    ``Artifact.program_set()`` makes one; ``Session.swap`` takes one."""
+
+    spec: CacheSpec
+    prefill: Program
+    decode: Program
+    extra: Mapping[str, tuple[ProgramSpec, Program]] = field(default_factory=dict)
+    prefill_logits: str = "all"
+    key_pos: bool = False
+    vocab_size: int | None = None
+    identity: str | None = None
+    label: str = ""
+    quant: Any = None  # the programs' quantized weights (spec.quant.QuantSpec), None: none
+
+
+def eager_programs(decoder: torch.nn.Module, *, prefill_logits: str = "last", vocab_size: int | None = None,
+                   identity: str | None = None) -> ProgramSet:
+    """The Decoder's own (uncompiled) programs over its CacheSpec: what an artifact exported from it would run
+    (the same methods, ``prefill_logits``, ``key_pos`` and extra programs), ready at once. ``kvtrace generate``
+    starts on these while the compiled programs build, then swaps (``Session.swap``)."""
+    from kvtrace.capture.export import method_module, with_prefill_logits
+    from kvtrace.spec.program import program_specs
+
+    specs = {p.name: p for p in with_prefill_logits(program_specs(decoder), prefill_logits, decoder)}
+    run = {n: method_module(decoder, p) for n, p in specs.items()}
+    extra = {n: (p, run[n]) for n, p in specs.items() if n not in ("prefill", "decode")}
+    return ProgramSet(decoder.cache_spec, run["prefill"], run["decode"], extra=extra,
+                      prefill_logits=specs["prefill"].logits, key_pos=specs["prefill"].key_pos,
+                      vocab_size=vocab_size, identity=identity, label="eager")
 
 
 class Session:
@@ -98,6 +137,7 @@ class Session:
         self._pos = 0
         self._filled: set[str] = set()  # `once` programs run since reset()
         self._graphs = self._graph_decode(cuda_graphs, capturer, graph_buckets)
+        self.label = ""  # what runs now (ProgramSet.label), for messages
 
     def _graph_decode(self, cuda_graphs: bool, capturer: Capturer | None,
                       buckets: Sequence[int] | None) -> GraphDecode | None:
@@ -127,6 +167,58 @@ class Session:
     def graphs(self) -> GraphStats | None:
         """Graph captures and replays of decode (None without ``cuda_graphs``)."""
         return None if self._graphs is None else self._graphs.stats
+
+    @classmethod
+    def of(cls, programs: ProgramSet, device: str | torch.device = "cpu", *, cuda_graphs: bool = False,
+           capturer: Capturer | None = None) -> Session:
+        """A new Session (its own cache, holding the declared initial values) running ``programs`` on ``device``
+        (``cuda_graphs`` / ``capturer``: as for the constructor)."""
+        s = cls(programs.spec, programs.prefill, programs.decode, device=device, vocab_size=programs.vocab_size,
+                extra=programs.extra, prefill_logits=programs.prefill_logits, key_pos=programs.key_pos,
+                identity=programs.identity, cuda_graphs=cuda_graphs, capturer=capturer, quant=programs.quant)
+        s.label = programs.label
+        return s
+
+    def swap(self, programs: ProgramSet) -> None:
+        """Run ``programs`` from the next call on, keeping this session's cache, position and ``once`` state.
+
+        The cache is the Session's, so programs that declare the same CacheSpec (and the same vocabulary,
+        prefill logits and extra programs) continue a conversation exactly where the old ones left it — e.g.
+        the eager decoder's programs replaced by the AOTInductor-compiled ones of the same model once their
+        build lands (``kvtrace generate``'s tiered start). Refused with ``UsageError``, the session
+        untouched, for programs that declare anything else. Snapshots are tied to ``programs.identity`` from
+        now on (one taken before the swap restores into sessions of the old programs only).
+        """
+        if not isinstance(programs, ProgramSet):
+            raise UsageError(f"swap takes a ProgramSet (e.g. artifact.program_set()); got {type(programs).__name__}")
+        with self._exclusive("swap"):
+            what = f"swap to {programs.label or 'new programs'}"
+            if self._graphs is not None:
+                raise UsageError(f"{what} refused: this session decodes from captured graphs of its programs "
+                                 "(cuda_graphs=True); start a new session on the new programs instead")
+            if programs.spec != self.spec:
+                raise UsageError(
+                    f"{what} refused: they declare the cache {programs.spec.describe()}, this session holds "
+                    f"{self.spec.describe()}; a session keeps its cache, so it only runs programs of the same CacheSpec"
+                )
+            if programs.prefill_logits != self.prefill_logits:
+                raise UsageError(f"{what} refused: their prefill returns {programs.prefill_logits!r} logits, this "
+                                 f"session's {self.prefill_logits!r}; export them with the same prefill_logits")
+            if None not in (programs.vocab_size, self._vocab) and programs.vocab_size != self._vocab:
+                raise UsageError(f"{what} refused: vocabulary of {programs.vocab_size} tokens, this session's "
+                                 f"is {self._vocab}; they belong to another model")
+            mine = {n: (s.inputs, s.once, s.logits) for n, (s, _) in self._extra.items()}
+            theirs = {n: (s.inputs, s.once, s.logits) for n, (s, _) in programs.extra.items()}
+            if mine != theirs:
+                raise UsageError(f"{what} refused: extra programs {sorted(theirs)}, this session runs "
+                                 f"{sorted(mine)} (or they declare other inputs); they belong to another model")
+            self._prefill, self._decode = programs.prefill, programs.decode
+            self._extra = dict(programs.extra)
+            self._key_pos = programs.key_pos
+            self.quant = programs.quant
+            if programs.identity is not None:
+                self.identity = programs.identity
+            self.label = programs.label
 
     @property
     def position(self) -> int:
