@@ -78,12 +78,13 @@ class Artifact:
 
     def session(self) -> Session:
         """A new Session with its own cache, holding the declared initial values."""
-        extra = {n: (spec, self._programs[n]) for n, spec in self.manifest.programs.items()
+        programs, state = registry.get(self.manifest.backend).bind(self._programs, self.manifest)
+        extra = {n: (spec, programs[n]) for n, spec in self.manifest.programs.items()
                  if n not in ("prefill", "decode")}
-        return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
+        return Session(self.cache_spec, programs["prefill"], programs["decode"],
                        vocab_size=self.manifest.vocab_size, extra=extra,
                        prefill_logits=self.manifest.programs["prefill"].logits,
-                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity)
+                       key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity, state=state)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).
@@ -130,6 +131,11 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None) ->
     path = Path(path)
     if expected_sha256 is not None and path.is_file():
         reader.check_file_hash(path, expected_sha256)
+    owner = next((b for b in map(registry.get, registry.names()) if b.standalone and path.is_file()
+                  and b.owns_file(path)), None)
+    if owner is not None:  # a backend's own format (an ExecuTorch .pte): the manifest is inside it
+        manifest, programs, tokenizer_json = owner.load_file(path)
+        return Artifact(path, manifest, programs, tokenizer_json)
     manifest, blobs = reader.read_zip(path)
     weights = reader.load_weights(path, blobs[WEIGHTS], manifest)
     tokenizer_json = None

@@ -21,7 +21,7 @@ import torch
 from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
-from kvtrace.capture.export import capture_programs, with_prefill_logits
+from kvtrace.capture.export import with_prefill_logits
 from kvtrace.spec.manifest import Manifest, ModelInfo
 from kvtrace.spec.program import program_specs
 
@@ -150,15 +150,36 @@ def export(
         decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
                                                             batch_size=batch_size, image_tokens=image_tokens,
                                                             kv_dtype=kv_dtype)
-    programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
+    programs = chosen.program_specs(with_prefill_logits(program_specs(decoder), prefill_logits, decoder), decoder)
     chosen.check_programs([p.name for p in programs], info.model_name or type(decoder).__name__)
+    from kvtrace import __version__
+
+    def manifest(aliases: dict[str, str]) -> Manifest:
+        vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
+        return Manifest(
+            backend=backend,
+            cache_spec=decoder.cache_spec,
+            vocab_size=vocab,
+            programs={p.name: p for p in programs},
+            **asdict(info),
+            generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
+            weight_aliases=aliases,
+            kvtrace_version=__version__,
+            torch_version=torch.__version__,
+            export_seconds=round(time.perf_counter() - t0, 3),
+            # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
+            signatures={n: program_signature(ep) for n, ep in compiled.items()},
+        )
+
     try:
         with progress("capturing programs (torch.export)"):
             # only what the backend compiles: aoti-packed's one program is prefill's (T symbolic; it serves decode too)
-            eps = capture_programs(decoder, tuple(chosen.compiled({p.name: p for p in programs}).values()))
-            weights = _weights(eps)
+            eps = chosen.capture(decoder, tuple(chosen.compiled({p.name: p for p in programs}).values()))
+            weights = {} if chosen.packs_weights else _weights(eps)
         compiled = chosen.compiled(eps)  # compiled program name -> captured program
         with progress(chosen.compile_label):
+            if chosen.standalone:  # its own file (e.g. a .pte), the manifest inside; export_seconds: up to lowering
+                return chosen.export_file(path, manifest({}), compiled, decoder.cache_spec.torch_dtype, tokenizer_json)
             files = chosen.compile(compiled, decoder.cache_spec.torch_dtype)
     except KvtraceError:
         raise
@@ -167,24 +188,7 @@ def export(
             f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {one_line(e)}"
         ) from e
     unique, aliases = ({}, {}) if chosen.packs_weights else dedupe_weights(weights)  # packed: in the program
-    vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
-    from kvtrace import __version__
-
-    manifest = Manifest(
-        backend=backend,
-        cache_spec=decoder.cache_spec,
-        vocab_size=vocab,
-        programs={p.name: p for p in programs},
-        **asdict(info),
-        generation={"temperature": 0.0, "top_k": None, "top_p": None, "max_new_tokens": 256},
-        weight_aliases=aliases,
-        kvtrace_version=__version__,
-        torch_version=torch.__version__,
-        export_seconds=round(time.perf_counter() - t0, 3),
-        # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
-        signatures={n: program_signature(ep) for n, ep in compiled.items()},
-    )
-    return write_artifact(path, manifest, unique, files, tokenizer_json)
+    return write_artifact(path, manifest(aliases), unique, files, tokenizer_json)
 
 
 def _kv_dtype(kv_dtype: Any) -> str | None:

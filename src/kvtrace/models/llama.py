@@ -34,6 +34,7 @@ from torch import nn
 
 from kvtrace._errors import UnsupportedError
 from kvtrace.cache import full, int8, sliding
+from kvtrace.models import fused
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
 from kvtrace.models.registry import Family
@@ -103,6 +104,9 @@ def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, scale=a.attention_scale,
                                            enable_gqa=True)  # [B, H, T, D]
         sliding.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos % W
+        return o
+    o = fused.attention(q, k, v, input_pos, k_cache, v_cache, a.attention_scale)  # a backend's own kernels
+    if o is not None:  # (only while one substitutes them for a capture, see models/fused.py)
         return o
     full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
     if key_pos is None:
@@ -196,6 +200,7 @@ class LlamaDecoder(Step):
     """A Llama-family Decoder whose weights come from an HF model (fused, stored once)."""
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
+    fused_attention = True  # every full layer's attention goes through cached_attention (models/fused.py)
 
     def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                  rope_long: tuple[torch.Tensor, torch.Tensor] | None = None):

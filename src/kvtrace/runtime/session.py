@@ -64,11 +64,16 @@ class Session:
 
     Not thread-safe: a call while another thread is inside a call on the same session raises
     ``UsageError`` (nothing is serialized silently; use one session per thread).
+
+    ``state``: the cache of programs that hold it themselves (``Backend.holds_state``, e.g. views of an
+    ExecuTorch program's mutable buffers), laid out as ``spec.buffers()``; the programs are then called
+    without cache arguments, and reset / rewind / snapshot / restore / ``state`` act on those tensors.
     """
 
     def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str = "cpu",
                  vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None,
-                 prefill_logits: str = "all", key_pos: bool = False, identity: str | None = None):
+                 prefill_logits: str = "all", key_pos: bool = False, identity: str | None = None,
+                 state: Sequence[torch.Tensor] | None = None):
         self.spec = spec
         self.identity = identity if identity is not None else f"programs:{id(prefill):x}:{id(decode):x}"
         self._busy = threading.Lock()  # held for the duration of every call that reads or writes the cache
@@ -80,7 +85,10 @@ class Session:
         self._extra = dict(extra or {})  # name -> (spec, program), programs taking named inputs
         self._vocab = vocab_size  # when known, token ids are checked against it before a program runs
         self._device = torch.device(device)  # where the state lives, and so every tensor a program gets
-        self._state = spec.allocate(device)  # [B, H_kv, S, D] per k/v buffer, then extras
+        self._held = state is not None  # the programs hold the cache; they take no cache arguments
+        self._state = list(state) if state is not None else spec.allocate(device)  # [B, H_kv, S, D] per k/v, then extras
+        if self._held:
+            _check_state(spec, self._state)
         self._pos = 0
         self._filled: set[str] = set()  # `once` programs run since reset()
 
@@ -193,7 +201,8 @@ class Session:
         input_pos = torch.arange(self._pos, end, dtype=torch.int64, device=dev)  # [T] absolute positions
         keys = (torch.arange(end, dtype=torch.int64, device=dev),) if key_pos else ()  # [L]: the live cache prefix
         tokens = tokens.to(device=dev, dtype=torch.int64).contiguous()
-        logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *self._state)
+        cache = () if self._held else self._state
+        logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *cache)
         self._pos = end
         return logits
 
@@ -285,6 +294,18 @@ class Session:
             dst.copy_(src)
         self._pos = snap.position
         self._filled = set(snap.filled)
+
+
+def _check_state(spec: CacheSpec, state: list[torch.Tensor]) -> None:
+    """State handed in by a program that holds it: one tensor per declared buffer, of its shape and dtype."""
+    bufs = spec.buffers()
+    if len(state) != len(bufs):
+        raise UsageError(f"a Session over programs holding their cache needs {len(bufs)} state tensors (the "
+                         f"CacheSpec's buffers), got {len(state)}")
+    for b, t in zip(bufs, state, strict=True):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != b.shape or t.dtype != b.torch_dtype:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise UsageError(f"state tensor for {b.name} is {got}; the CacheSpec declares {b.dtype} {list(b.shape)}")
 
 
 def _as_tokens(tokens: Any, what: str) -> torch.Tensor:
