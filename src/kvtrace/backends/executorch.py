@@ -40,7 +40,8 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -231,7 +232,9 @@ class ExecuTorchBackend(Backend):
         consts = {**metadata(manifest, fused), MANIFEST_METHOD: manifest.to_json(), STATE_METHOD: json.dumps(state)}
         if tokenizer_json is not None:
             consts[TOKENIZER_METHOD] = tokenizer_json
-        edge = to_edge_transform_and_lower(dict(eps), partitioner=[XnnpackPartitioner()], constant_methods=consts)
+        eps = {name: _delegable_norms(ep) for name, ep in eps.items()}
+        with _lean_xnnpack_passes():
+            edge = to_edge_transform_and_lower(eps, partitioner=[XnnpackPartitioner()], constant_methods=consts)
         fqns = {s["fqn"] for s in state}
         for name in eps:
             ep = edge.exported_program(name)
@@ -276,6 +279,66 @@ class ExecuTorchBackend(Backend):
         pte = next(iter(programs.values()))
         assert isinstance(pte, _Pte), "executorch programs come from load_file"
         return pte.instance(manifest)
+
+
+# XNNPACK's delegate runs every pass below on every partition (tens of partitions per model, each pass a
+# re-trace); these rewrite patterns a decoder never has (convolutions, batch norm, bilinear upsampling,
+# PReLU, quantized padding, an SDPA written out) and building their pattern graphs alone costs seconds.
+_UNNEEDED_XNNPACK_PASSES = {"ConvertToUpsampleBilinear2d", "ConvertToSDPAPass", "FuseBatchNormPass",
+                            "DecomposeBatchNorm", "InsertPadQDQPass", "Conv1dUnsqueezePass", "PReLUReshapePass"}
+
+
+@contextmanager
+def _lean_xnnpack_passes() -> Iterator[None]:
+    """XNNPACK's default pass list without ``_UNNEEDED_XNNPACK_PASSES``, for one lowering."""
+    from executorch.backends.xnnpack import _passes
+
+    manager = getattr(_passes, "XNNPACKPassManager", None)
+    init = getattr(manager, "__init__", None)
+    if init is None:  # another ExecuTorch layout: lower with its defaults
+        yield
+        return
+
+    def lean(self: Any, exported_program: Any, passes: Any = None) -> None:
+        init(self, exported_program, passes)
+        if not passes:
+            self.passes = [p for p in self.passes if p.__name__ not in _UNNEEDED_XNNPACK_PASSES]
+
+    manager.__init__ = lean
+    try:
+        yield
+    finally:
+        manager.__init__ = init
+
+
+def _delegable_norms(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``mean(x [B, T, C], -1, keepdim)`` (an RMSNorm's) as ``mean(x [B, T, C, 1], [2, 3], keepdim)``: the same
+    values, in the one form XNNPACK takes (a 4-D mean over the two innermost dims), so a norm no longer
+    splits a layer's delegated graph in two."""
+    import torch
+
+    aten = torch.ops.aten
+    graph, changed = ep.graph, False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.mean.dim or node.kwargs.get("dtype") is not None:
+            continue
+        x, dims = node.args[0], node.args[1]
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if val is None or val.dim() != 3 or list(dims) not in ([-1], [2]) or not keep:
+            continue
+        with graph.inserting_before(node):
+            up = graph.call_function(aten.unsqueeze.default, (x, -1))  # [B, T, C, 1]
+            mean = graph.call_function(aten.mean.dim, (up, [2, 3], True))  # [B, T, 1, 1]
+            down = graph.call_function(aten.squeeze.dims, (mean, [-1]))  # [B, T, 1]
+        up.meta["val"], mean.meta["val"] = val.unsqueeze(-1), node.meta["val"].unsqueeze(-1)
+        down.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(down)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        ep.graph_module.recompile()
+    return ep
 
 
 def _registered_names() -> tuple[str, ...]:
