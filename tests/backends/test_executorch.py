@@ -155,11 +155,15 @@ def test_loading_needs_neither_transformers_nor_torch_export_deserialization(lla
 
 # --- other families --------------------------------------------------------------------------------------------
 @pytest.mark.compile
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
-def test_families_verify(arch, tmp_path):
-    model = tiny_model(arch)
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 4})],
+                         ids=["qwen2", "qwen3", "mistral-sliding"])
+def test_families_verify(arch, overrides, tmp_path):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral with a window of 4 (rings: a 10-token prompt and 8
+    decoded tokens cross it; ExecuTorch's remainder of a negative int once broke the ring's slot positions)."""
+    model = tiny_model(arch, **overrides)
     path = kvtrace.export(model, tmp_path / f"{arch}.pte", max_seq_len=32, backend="executorch")
-    report = kvtrace.verify(EagerRunner(model), [SessionRunner(kvtrace.load(path).session(), arch)], PROMPTS, steps=5)
+    prompts = [list(range(5, 25, 2)), [3, 4, 5]]
+    report = kvtrace.verify(EagerRunner(model), [SessionRunner(kvtrace.load(path).session(), arch)], prompts, steps=8)
     assert report.passed, report.summary()
 
 
@@ -228,3 +232,27 @@ def test_executorchs_text_llm_runner_streams_eagers_greedy_tokens(tmp_path):
         out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
     eager = [tok.decode([t]) for t in out[0, len(ids):].tolist()]
     assert len(pieces) == n and pieces == eager
+
+
+# --- the CLI ------------------------------------------------------------------------------------------------
+@pytest.mark.compile
+def test_cli_export_run_and_verify_against_executorch(tmp_path, capsys):
+    from conftest import make_tiny_hf_dir
+    from kvtrace.cli.main import main
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    make_tiny_hf_dir(src, words_only=True)
+    pte = tmp_path / "tiny.pte"
+    assert main(["export", str(src), "--backend", "executorch", "-o", str(pte), "--max-seq-len", "32"]) == 0
+    assert is_pte(pte) and tokenizer_path(pte).is_file()
+    assert main(["run", str(pte), "--prompt", "hello world", "--raw", "--max-len", "8", "--temperature", "0"]) == 0
+    printed = capsys.readouterr()
+    assert "stop: max_new_tokens" in (printed.out + printed.err).replace("\n", " ")
+    out = tmp_path / "report.json"
+    code = main(["verify", str(src), "--against", "executorch", "--steps", "3", "--raw", "--prompt", "hello world",
+                 "--max-seq-len", "32", "--json", str(out)])
+    assert code == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["passed"] is True and [s["candidate"] for s in report["summary"]] == ["executorch"]
+    assert len(report["rows"]) == 2 * (1 + 3)  # prompts x (prefill + steps), logits and every layer's K/V
