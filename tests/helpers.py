@@ -151,3 +151,32 @@ def verify_bf16_export(low: torch.nn.Module, path: Path, prompts, steps: int, ma
     assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
     assert len(report.rows) == len(prompts) * (1 + steps)
     return art
+
+
+def assert_exact_beyond_window(model: torch.nn.Module, art, runner: str, prompts, steps: int, window: int, kinds,
+                               *, kv_limit: float = 1e-5, logits_limit: float = 1e-4,
+                               rel_limit: float | None = None) -> dict[str, float]:
+    """Verify artifact ``art`` (through a Session named ``runner``) against HF eager on ``prompts`` with ``steps``
+    greedy steps each, the second prompt decoding past twice the ``window``; every row passes with logits and
+    every cache layer far inside fp32's tolerance (the same arithmetic as HF's, not an approximation), and
+    eager's own sliding layers (``kinds[i]`` is layer i's LayerKind) held the last window - 1 tokens while
+    its full layers held everything. Returns the worst logits and cache errors."""
+    from kvtrace.spec.cache import LayerKind
+    from kvtrace.tools.verify import EagerRunner, SessionRunner, verify
+
+    eager = EagerRunner(model)
+    report = verify(eager, [SessionRunner(art.session(), runner)], prompts, steps=steps)
+    assert report.passed, "\n".join(f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed)
+    assert len(report.rows) == len(prompts) * (1 + steps)
+    end = len(prompts[-1]) + steps
+    assert max(r.position for r in report.rows) == end > 2 * window
+    for r in report.rows:
+        where = (r.prompt, r.step)
+        assert r.cache_len_ok and r.token_agree and r.top1_agree == 1.0, where
+        assert len(r.k_max_abs) == len(kinds) and max(*r.k_max_abs, *r.v_max_abs) <= kv_limit, where
+        assert r.logits_max_abs <= logits_limit, (*where, r.logits_max_abs)
+        assert rel_limit is None or r.logits_max_rel <= rel_limit, (*where, r.logits_max_rel)
+    held = [layer.keys.shape[2] for layer in eager._cache.layers]
+    assert held == [window - 1 if k is LayerKind.SLIDING else end for k in kinds]
+    return {"logits": max(r.logits_max_abs for r in report.rows),
+            "cache": max(max(*r.k_max_abs, *r.v_max_abs) for r in report.rows)}

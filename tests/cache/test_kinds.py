@@ -37,11 +37,10 @@ def test_the_lookup_finds_each_kind_and_refuses_one_without_a_module(monkeypatch
         kinds.ops_for_label("ring")
 
 
-def test_each_kinds_buffers_are_the_specs():
+def test_the_spec_lists_each_layers_buffers_then_the_shared_state():
     spec = _spec()
     listed = spec.buffers()
-    for i, layer in enumerate(spec.layers):
-        assert kinds.kind_of(layer).buffers(spec, i) == listed[2 * i : 2 * i + 2]
+    assert [b.name for b in listed[:4]] == ["layers.0.k", "layers.0.v", "layers.1.k", "layers.1.v"]
     assert listed[2 * len(spec.layers):] == cross.extra_buffers(B, N, "float32")
     assert listed[0].shape == (B, H, S, D) and listed[2].shape == (B, H, N, D)  # [B, H_kv, S or N, D]
     assert {b.init for b in listed[:8]} == {0.5} and listed[-1] == BufferSpec("cross.active", (1,), "int64", 0)

@@ -13,13 +13,12 @@ import torch
 
 import kvtrace
 from conftest import FAMILY_ARCHS, TINY, tiny_model
-from helpers import verify_bf16_export
+from helpers import assert_exact_beyond_window, verify_bf16_export
 from kvtrace._errors import UnsupportedError
 from kvtrace.models import gemma
 from kvtrace.models.registry import family_for, make_decoder
 from kvtrace.models.step import LIVE_PROGRAMS
 from kvtrace.spec.cache import LayerKind
-from kvtrace.tools.verify import EagerRunner, SessionRunner, verify
 
 WINDOW, MAX_SEQ_LEN, STEPS = 8, 48, 30  # FAMILY_ARCHS' Gemma 2 / 3 slide over 8 tokens on layer 0
 # Two prompts (verify resets between them), the second longer than twice the window, each then decoded 30
@@ -145,20 +144,7 @@ def test_every_norm_weight_reaches_the_logits():
 
 
 def _assert_exact_beyond_the_window(name: str, model: torch.nn.Module, art: Any, runner: str) -> dict[str, float]:
-    eager = EagerRunner(model)
-    report = verify(eager, [SessionRunner(art.session(), runner)], PROMPTS, steps=STEPS)
-    assert report.passed, "\n".join(f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed)
-    assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
-    assert max(r.position for r in report.rows) == len(PROMPTS[1]) + STEPS > 2 * WINDOW
-    for r in report.rows:
-        assert r.cache_len_ok and r.token_agree and r.top1_agree == 1.0, (r.prompt, r.step)
-        assert len(r.k_max_abs) == 2 and max(*r.k_max_abs, *r.v_max_abs) <= 1e-5, (r.prompt, r.step)
-        assert r.logits_max_abs <= 1e-4, (r.prompt, r.step)
-    # eager's sliding layers were HF's own ring-less sliding layers, holding the last window - 1 tokens
-    held = [layer.keys.shape[2] for layer in eager._cache.layers]
-    assert held == [WINDOW - 1 if k is SLIDING else len(PROMPTS[1]) + STEPS for k in MODELS[name][2]]
-    return {"logits": max(r.logits_max_abs for r in report.rows),
-            "cache": max(max(*r.k_max_abs, *r.v_max_abs) for r in report.rows)}
+    return assert_exact_beyond_window(model, art, runner, PROMPTS, STEPS, WINDOW, MODELS[name][2])
 
 
 @pytest.mark.parametrize("name", list(MODELS))

@@ -12,6 +12,7 @@ import torch
 
 import kvtrace
 from conftest import FAMILY_ARCHS, TINY, tiny_model
+from helpers import assert_exact_beyond_window
 from kvtrace._errors import CaptureError, UnsupportedError
 from kvtrace.models import hf_attention
 from kvtrace.models.hf_generic import HFDecoder, refusal
@@ -83,19 +84,8 @@ def _assert_slots(arch: str, art: Any) -> None:
 
 
 def _assert_exact(model: torch.nn.Module, art: Any, name: str, arch: str) -> dict[str, float]:
-    eager = EagerRunner(model)
-    report = verify(eager, [SessionRunner(art.session(), name)], PROMPTS, steps=STEPS)
-    assert report.passed, "\n".join(f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed)
-    assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
-    assert max(r.position for r in report.rows) == len(PROMPTS[1]) + STEPS > 2 * WINDOW
-    for r in report.rows:
-        assert r.cache_len_ok and r.token_agree and r.top1_agree == 1.0, (r.prompt, r.step)
-        assert len(r.k_max_abs) == 2 and max(*r.k_max_abs, *r.v_max_abs) <= 1e-4, (r.prompt, r.step)
-    # eager's sliding layers were HF's own ring-less ones, holding the last window - 1 tokens
-    held = [layer.keys.shape[2] for layer in eager._cache.layers]
-    assert held == [WINDOW - 1 if k is S else len(PROMPTS[1]) + STEPS for k in MODELS[arch][1]]
-    return {"logits": max(r.logits_max_abs for r in report.rows),
-            "cache": max(max(*r.k_max_abs, *r.v_max_abs) for r in report.rows)}
+    return assert_exact_beyond_window(model, art, name, PROMPTS, STEPS, WINDOW, MODELS[arch][1], kv_limit=1e-4,
+                                      logits_limit=float("inf"))
 
 
 @pytest.mark.parametrize("arch", list(MODELS))

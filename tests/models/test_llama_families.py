@@ -11,13 +11,12 @@ import torch
 
 import kvtrace
 from conftest import TINY, tiny_model
-from helpers import verify_bf16_export
+from helpers import assert_exact_beyond_window, verify_bf16_export
 from kvtrace._errors import UnsupportedError
 from kvtrace.models import registry
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama import LlamaDecoder, supports
 from kvtrace.spec.cache import LayerKind
-from kvtrace.tools.verify import EagerRunner, SessionRunner, verify
 
 WINDOW, MAX_SEQ_LEN, STEPS = 8, 48, 30
 # As test_llama_sliding.py: two prompts (verify resets between them), the second longer than twice the window,
@@ -87,14 +86,7 @@ def test_the_fast_path_claims_the_family_and_reads_its_quirks(name):
 
 
 def _assert_exact(name: str, model: torch.nn.Module, art: Any, runner: str) -> None:
-    report = verify(EagerRunner(model), [SessionRunner(art.session(), runner)], PROMPTS, steps=STEPS)
-    assert report.passed, "\n".join(f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed)
-    assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
-    assert max(r.position for r in report.rows) == len(PROMPTS[1]) + STEPS > 2 * WINDOW
-    for r in report.rows:  # far inside fp32's tolerance: the same arithmetic as HF's, not an approximation
-        assert r.cache_len_ok and r.token_agree and r.top1_agree == 1.0, (r.prompt, r.step)
-        assert len(r.k_max_abs) == 2 and max(*r.k_max_abs, *r.v_max_abs) <= 1e-5, (r.prompt, r.step)
-        assert r.logits_max_abs <= 1e-4 and r.logits_max_rel <= 1e-5, (r.prompt, r.step, r.logits_max_abs)
+    assert_exact_beyond_window(model, art, runner, PROMPTS, STEPS, WINDOW, FAMILIES[name][2], rel_limit=1e-5)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

@@ -164,10 +164,10 @@ def test_stale_scales_left_by_reset_are_never_read(built):
 
 
 def test_families_without_int8_refuse_it_clearly():
-    """A family that does not declare kv_dtypes (the general HFDecoder, Mllama, ...) refuses an int8 cache by name."""
-    from kvtrace.models import hf_generic, registry
+    """A family that does not declare kv_dtypes (Mllama, a plugin's) refuses an int8 cache by name."""
+    from kvtrace.models import mllama, registry
 
-    assert "int8" not in hf_generic.FAMILY.kv_dtypes
+    assert "int8" not in mllama.FAMILY.kv_dtypes
     model = tiny_model("llama")
     plain = registry.Family("plain-test", ("llama",), lambda config: True, registry.family_for(model.config).build,
                             priority=0)

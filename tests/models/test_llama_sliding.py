@@ -11,7 +11,7 @@ import torch
 
 import kvtrace
 from conftest import tiny_model
-from helpers import verify_bf16_export
+from helpers import assert_exact_beyond_window, verify_bf16_export
 from kvtrace.cache import sliding
 from kvtrace.spec.cache import LayerKind
 from kvtrace.spec.tolerances import tolerance_for
@@ -49,20 +49,7 @@ def built(tmp_path_factory):
 
 
 def _assert_exact_beyond_the_window(arch: str, model: torch.nn.Module, art: Any, name: str) -> None:
-    eager = EagerRunner(model)
-    report = verify(eager, [SessionRunner(art.session(), name)], PROMPTS, steps=STEPS)
-    failures = [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
-    assert report.passed, "\n".join(failures)
-    assert len(report.rows) == len(PROMPTS) * (1 + STEPS)
-    assert max(r.position for r in report.rows) == len(PROMPTS[1]) + STEPS > 2 * WINDOW
-    for r in report.rows:
-        assert r.cache_len_ok and r.token_agree and r.top1_agree == 1.0, (r.prompt, r.step)
-        assert len(r.k_max_abs) == 2 and max(*r.k_max_abs, *r.v_max_abs) <= 1e-5, (r.prompt, r.step)
-        assert r.logits_max_abs <= 1e-4, (r.prompt, r.step)
-    # eager's sliding layers were HF's own ring-less sliding layers, holding the last window - 1 tokens
-    kinds = MODELS[arch][1]
-    held = [layer.keys.shape[2] for layer in eager._cache.layers]
-    assert held == [WINDOW - 1 if k is LayerKind.SLIDING else len(PROMPTS[1]) + STEPS for k in kinds]
+    assert_exact_beyond_window(model, art, name, PROMPTS, STEPS, WINDOW, MODELS[arch][1])
 
 
 @pytest.mark.parametrize("arch", list(MODELS))

@@ -76,7 +76,7 @@ def test_crossing_and_wrapping_the_window_is_clean_with_one_program_per_regime(a
 def test_a_jit_that_keys_no_regime_is_flagged(monkeypatch):
     """Planted fault: the regime left out of the key, so one program per size class meets calls on both sides
     of the window and the jit pins lengths (captures per call near the window)."""
-    monkeypatch.setattr(jit_call, "sliding_regime", lambda t_len, past, windows: "")
+    monkeypatch.setattr(jit_call, "sliding_regime", lambda t_len, past, windows, static=False: "")
     report = lint(tiny_model("mistral", sliding_window=4))
     assert report.captures > report.expected
     counted = [f for f in report.of_kind("sliding") if "programs captured over the sliding-window phase" in f.message]

@@ -130,7 +130,7 @@ def export(
         kv_dtype: None or ``"auto"`` — K/V held in ``dtype``; ``"int8"`` — int8 K/V with a float16 scale per
             token and KV head (``kvtrace.cache.int8``), about 0.27-0.28x the bytes of a float32 cache, quantized on
             write and dequantized on read inside the programs; declared in the CacheSpec (``kv_dtype``), so the
-            manifest, the Session and ``kvtrace verify`` know it. Llama-family decoders (LlamaDecoder) only.
+            manifest, the Session and ``kvtrace verify`` know it. Every text decoder (not the vision decoder).
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kvtrace.cache.kinds import PAST, KindOps
-from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
+from kvtrace.spec.cache import LayerKind
 
 __all__ = ["OPS", "SELF", "FullOps"]
 
@@ -25,9 +25,6 @@ class FullOps(KindOps):
     kind = LayerKind.FULL
     written_by_decode = True
     hf_labels = (SELF,)
-
-    def slots(self, spec: CacheSpec, layer: LayerSpec) -> int:
-        return spec.max_seq_len
 
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:

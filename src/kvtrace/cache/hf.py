@@ -19,9 +19,13 @@ A captured program never sees an HF cache object from the caller. It sees tensor
   held as their stored tail ``[B, H_kv, S_w, D]`` (S_w = min(P, W - 1), its own size), returned as the new
   tail. When a filled cache has such layers, the state ends with ``past`` ``[0, P]`` (no elements): P, the
   layers' ``cumulative_length``, as a symbolic size (the tail stops telling it once P >= W).
-* StaticCache state: ``[k0, v0, n0, k1, v1, n1, ...]`` with k/v ``[B, H_kv, S_max, D]`` and ``n`` the
+* StaticCache state: ``[k0, v0, n0, k1, v1, n1, ...]`` with k/v ``[B, H_kv, S, D]`` and ``n`` the
   0-d int64 ``cumulative_length``. The program mutates them in place (declared input mutations),
-  exactly as eager StaticCache does. Not supported for models with cross-attention layers.
+  exactly as eager StaticCache does. S is ``max_cache_len`` for a ``StaticLayer`` and the window W for a
+  ``StaticSlidingWindowLayer`` (``static_windows``), which keeps its last W tokens in order and branches on
+  a Python int, its ``cumulative_length_int`` = P: with such layers the state ends with ``past`` ``[0, P]``
+  (P as a symbolic size, as for DynamicCache above) and the epilogue advances the int
+  (``advance_static_sliding``). Not supported for models with cross-attention layers.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from kvtrace.spec.cache import LayerKind
 
 SUPPORTED = (
     "transformers.DynamicCache with full-attention or sliding-window layers (fresh or filled), "
-    "transformers.StaticCache with full-attention layers, or no cache (use_cache=True creates a DynamicCache)"
+    "transformers.StaticCache with full-attention or sliding-window layers, or no cache (use_cache=True creates a "
+    "DynamicCache)"
 )
 
 
@@ -113,6 +118,7 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
         DynamicSlidingWindowLayer,
         StaticCache,
         StaticLayer,
+        StaticSlidingWindowLayer,
     )
 
     if cache is None:
@@ -159,12 +165,15 @@ def classify(cache: Any, cross: Collection[int] = ()) -> CacheKind:
                 f"a StaticCache for a model with cross-attention layers {list(cross)} is not supported; pass a "
                 "DynamicCache (or no cache). Pass fallback='eager' to run such calls uncompiled."
             )
-        bad = [type(layer).__name__ for layer in cache.layers if type(layer) is not StaticLayer]
+        bad = [type(layer).__name__ for layer in cache.layers
+               if type(layer) not in (StaticLayer, StaticSlidingWindowLayer)]
         if bad:
             raise UnsupportedError(
-                f"StaticCache with layer types {sorted(set(bad))} is not supported (e.g. sliding-window); "
+                f"StaticCache with layer types {sorted(set(bad))} is not supported; "
                 f"kvtrace supports {SUPPORTED}. Pass fallback='eager' to run such calls uncompiled."
             )
+        if cache.layers[0].is_initialized:
+            static_past(cache)  # one past length in every layer, or a UsageError
         return CacheKind.STATIC
     raise UnsupportedError(f"cache of type {type(cache).__name__} is not supported; kvtrace supports {SUPPORTED}")
 
@@ -299,8 +308,36 @@ def advance_sliding(cache: Any, layers: Collection[int], added: int) -> None:
 
 
 # --- StaticCache --------------------------------------------------------------------------------
-def static_max_len(cache: Any) -> int:
-    return int(cache.layers[0].max_cache_len)
+def is_static_sliding(layer: Any) -> bool:
+    """A StaticCache layer keeping only its last ``max_cache_len`` (= the window) tokens."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    return type(layer) is StaticSlidingWindowLayer
+
+
+def static_windows(cache: Any) -> tuple[int, ...]:
+    """Per layer of a StaticCache, the window W a ``StaticSlidingWindowLayer`` holds (its ``max_cache_len``:
+    min(sliding_window, the cache's max_cache_len)), 0 for a ``StaticLayer``."""
+    return tuple(int(layer.max_cache_len) if is_static_sliding(layer) else 0 for layer in cache.layers)
+
+
+def static_max_len(cache: Any) -> int | None:
+    """Positions the full-attention layers of a StaticCache hold (its max_cache_len); None when every layer
+    slides (a window bounds nothing: eager runs past max_cache_len)."""
+    full = [int(layer.max_cache_len) for layer in cache.layers if not is_static_sliding(layer)]
+    return min(full) if full else None
+
+
+def static_past(cache: Any) -> int:
+    """P, the tokens an initialized StaticCache has seen: its sliding layers' ``cumulative_length_int`` (their
+    tensor stops counting once the window is crossed), else the full layers' ``cumulative_length`` (a host read,
+    outside any trace). UsageError when the layers disagree."""
+    lengths = {layer.cumulative_length_int if is_static_sliding(layer) else int(layer.cumulative_length)
+               for layer in cache.layers}
+    if len(lengths) != 1:
+        raise UsageError(f"StaticCache layers have seen different lengths {sorted(lengths)}; expected one length "
+                         "(pass the cache the previous call returned, or a fresh one)")
+    return lengths.pop()
 
 
 def ensure_static_initialized(cache: Any, batch: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype,
@@ -326,15 +363,27 @@ def static_template(cache: Any) -> Any:
     return tmpl
 
 
-def build_static(template: Any, state: list[torch.Tensor]) -> Any:
+def build_static(template: Any, state: list[torch.Tensor], past: Any = 0) -> Any:
+    """Inside the trace: a copy of ``template`` whose layers hold ``state``; ``past`` (P, a symbolic size) is
+    the sliding layers' ``cumulative_length_int``."""
     cache = copy.copy(template)
     cache.layers = []
     for i, proto in enumerate(template.layers):
         layer = copy.copy(proto)
         layer.keys, layer.values, layer.cumulative_length = state[3 * i : 3 * i + 3]
         layer.is_initialized = True
+        if is_static_sliding(layer):
+            layer.cumulative_length_int = past
         cache.layers.append(layer)
     return cache
+
+
+def advance_static_sliding(cache: Any, added: int) -> None:
+    """Epilogue: the sliding layers of the caller's StaticCache have seen ``added`` (T) more tokens, as their
+    ``update`` counts them (the program already wrote their tensors in place)."""
+    for layer in cache.layers:
+        if is_static_sliding(layer):
+            layer.cumulative_length_int += added
 
 
 def kv_geometry(config: Any) -> tuple[int, int, int]:

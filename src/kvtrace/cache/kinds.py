@@ -5,8 +5,9 @@ One module per kind (``full``, ``cross``, ``sliding``; quantized kinds go the sa
 ``cache`` tests ``layer.kind is LayerKind.X``: it asks the kind.
 
 What a kind answers (``LayerSpec`` ``layer`` of CacheSpec ``spec``; K and V are ``[B, H_kv, S, D]``):
-  * ``buffers(spec, i)``: its K and V BufferSpecs (shape, dtype, initial value), as ``CacheSpec.buffers``
-    lists them, and ``extra_buffers``: state it shares across its layers (none for most kinds);
+  * (buffers are not a kind's answer: ``CacheSpec.buffers`` is the one listing of every state tensor, a
+    layer's S being its ``LayerSpec.max_len``; a kind sharing state across its layers declares it as the
+    spec's ``extra`` buffers, e.g. ``cross.extra_buffers``);
   * ``write(k_cache, v_cache, input_pos, k, v)``: how a program stores new K/V (in place);
   * ``valid(k, v, position, prefilled)``: the slots holding data at ``position`` (what verify compares),
     None when the layer holds nothing yet;
@@ -28,7 +29,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
+from kvtrace.spec.cache import LayerKind, LayerSpec
 
 __all__ = ["IMAGE", "PAST", "TAIL", "KindOps", "kind_of", "ops", "ops_for_label"]
 
@@ -51,17 +52,6 @@ class KindOps:
     kind: ClassVar[LayerKind]
     written_by_decode: ClassVar[bool]  # False: only a prefill program (ProgramSpec.once) writes it
     hf_labels: ClassVar[tuple[str, ...]]  # the layer-pattern labels hf_label returns
-
-    def slots(self, spec: CacheSpec, layer: LayerSpec) -> int:
-        """S of this layer's K/V ``[B, H_kv, S, D]``."""
-        return layer.max_len
-
-    def buffers(self, spec: CacheSpec, i: int) -> tuple[BufferSpec, BufferSpec]:
-        """Layer ``i``'s K and V buffers, named and ordered as in the program signature."""
-        layer = spec.layers[i]
-        shape = (spec.batch_size, layer.n_kv_heads, self.slots(spec, layer), layer.head_dim)  # [B, H_kv, S, D]
-        return (BufferSpec(f"layers.{i}.k", shape, spec.dtype, spec.kv_init),
-                BufferSpec(f"layers.{i}.v", shape, spec.dtype, spec.kv_init))
 
     def max_rewind(self, layer: LayerSpec, position: int) -> int:
         """The most tokens ``Session.rewind`` may drop at ``position``: every one, as slots are indexed by

@@ -31,6 +31,7 @@ other activations, length-dependent RoPE, ...) falls through to the general fami
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -40,13 +41,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import full, sliding
+from kvtrace.cache import attend
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama import LENGTH_DEPENDENT_ROPE, _rope, _rope_table
 from kvtrace.models.registry import Family
 from kvtrace.models.step import Step, programs_for, ring_layers
 from kvtrace.spec import config as hfconfig
-from kvtrace.spec.cache import CacheSpec
+from kvtrace.spec.cache import CacheSpec, LayerState
 
 __all__ = ["FAMILY", "GemmaArgs", "GemmaDecoder", "supports"]
 
@@ -159,10 +160,10 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _block(a: GemmaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-           key_pos: torch.Tensor | None, ring: bool) -> torch.Tensor:
-    """One decoder layer. x [B, T, dim]; cos/sin [T, D]; k_cache/v_cache [B, H_kv, S, D]; mask [T, S] or,
-    with ``key_pos [L]``, [T, L] over the live prefix; ``ring``: a SLIDING layer (mask/key_pos unused)."""
+           sin: torch.Tensor, mask: torch.Tensor, kv: LayerState, key_pos: torch.Tensor | None, ring: bool) -> torch.Tensor:
+    """One decoder layer. x [B, T, dim]; cos/sin [T, D]; ``kv``: the layer's cache state (k/v [B, H_kv, S, D],
+    and an int8 cache's scales); mask [T, S] or, with ``key_pos [L]``, [T, L] over the live prefix; ``ring``: a
+    SLIDING layer (mask/key_pos unused). The cache is read and written by ``cache.attend.update``."""
     b, t, _ = x.shape
     q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     h = _gemma_norm(x, layer.attn_norm, a.norm_eps)
@@ -173,15 +174,8 @@ def _block(a: GemmaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor
     if a.qk_norm:
         q, k = _gemma_norm(q, layer.q_norm, a.norm_eps), _gemma_norm(k, layer.k_norm, a.norm_eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    if ring:
-        keys, values, ring_mask = sliding.attention_inputs(k_cache, v_cache, input_pos, k, v)  # [B, H_kv, W + T, D]
-        o = _attend(q, keys, values, ring_mask, a.scale, a.attn_softcap)
-        sliding.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos % W
-    else:
-        full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
-        if key_pos is not None:  # the live prefix, gathered (see llama._live_attention)
-            k_cache, v_cache = k_cache.index_select(2, key_pos), v_cache.index_select(2, key_pos)  # [B, H_kv, L, D]
-        o = _attend(q, k_cache, v_cache, mask, a.scale, a.attn_softcap)
+    keys, values, ring_mask = attend.update(kv, ring, input_pos, k, v, key_pos)  # [B, H_kv, S or L or W + T, D]
+    o = _attend(q, keys, values, mask if ring_mask is None else ring_mask, a.scale, a.attn_softcap)
     o = layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
     if a.post_norms:
         o = _gemma_norm(o, layer.post_attn_norm, a.norm_eps)
@@ -225,7 +219,7 @@ class GemmaDecoder(Step):
         mask = keys[None, :] <= input_pos[:, None]  # [T, L]: key j visible to query i iff j <= input_pos[i]
         for i, layer in enumerate(self.layers):
             j = a.rope_of[i]
-            x = _block(a, layer, x, input_pos, cos[j], sin[j], mask, state[2 * i], state[2 * i + 1], key_pos,
+            x = _block(a, layer, x, input_pos, cos[j], sin[j], mask, self.cache_spec.layer_state(state, i), key_pos,
                        self._rings[i])
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
@@ -295,11 +289,13 @@ def _copy_layer(a: GemmaArgs, mine: _Layer, theirs: nn.Module, dt: torch.dtype) 
     mine.w2.weight.copy_(mlp.down_proj.weight.to(dt))
 
 
-def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> GemmaDecoder:
+def _build(model: nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None,
+           kv_dtype: str | None = None) -> GemmaDecoder:
     dtype = next(model.parameters()).dtype
-    return GemmaDecoder.from_hf(model, hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size,
-                                                     dtype=dtype))
+    spec = hf_cache_spec(model.config, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
+    return GemmaDecoder.from_hf(model, dataclasses.replace(spec, kv_dtype=kv_dtype))
 
 
 # Gemma, Gemma 2, Gemma 3 text (hybrid local/global layers as rings + live prefixes): before the general HFDecoder.
-FAMILY = Family("gemma", MODEL_TYPES, supports, _build, priority=20)
+# Offers int8 KV caches.
+FAMILY = Family("gemma", MODEL_TYPES, supports, _build, priority=20, kv_dtypes=("int8",))

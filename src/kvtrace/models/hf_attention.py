@@ -4,13 +4,13 @@ HFDecoder (``hf_generic``) runs the HF model's own modules (every family quirk s
 soft-capping, per-layer RoPE, partial rotary, multipliers) with two things of kvtrace's swapped in:
 
 * ``KvCache``: the ``cache`` argument of one call. ``update(k, v, layer_idx)`` (what every HF attention
-  layer calls) writes the state buffers exactly as the layer's kind does and returns what the layer's
-  attention reads, recording the matching mask (True = visible)::
+  layer calls) writes the state buffers and returns what the layer's attention reads, as every decoder does
+  (``cache.attend.update``: per kind, and int8 caches quantized on write and dequantized on read), recording
+  the matching mask (True = visible)::
 
-      FULL     full.OPS.write at input_pos; reads the whole cache [B, H_kv, S, D], mask [T, S]
+      FULL     reads the whole cache [B, H_kv, S, D], mask [T, S]
                (or, with key_pos [L], the live prefix [B, H_kv, L, D], mask [T, L])
       SLIDING  reads ring + the call's keys [B, H_kv, W + T, D], mask [T, W + T]
-               (sliding.attention_inputs), then sliding.OPS.write into slots input_pos % W
 
 * ``attention``: registered with transformers' ``AttentionInterface`` as ``"kvtrace"`` (``register``); the
   model's config copy names it as its ``_attn_implementation``, and since no mask function is registered
@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import full, sliding
+from kvtrace.cache import attend, sliding
 from kvtrace.cache.kinds import kind_of
 from kvtrace.spec.cache import CacheSpec
 
@@ -61,7 +61,8 @@ class KvCache:
                  key_pos: torch.Tensor | None = None):
         self.spec, self.state, self.input_pos, self.key_pos = spec, state, input_pos, key_pos
         self._rings = tuple(kind_of(layer) is sliding.OPS for layer in spec.layers)
-        self.layers = [_Layer(state[2 * i], state[2 * i + 1], ring) for i, ring in enumerate(self._rings)]
+        self._state = [spec.layer_state(state, i) for i in range(len(spec.layers))]  # k, v (+ int8 scales)
+        self.layers = [_Layer(kv.k, kv.v, ring) for kv, ring in zip(self._state, self._rings, strict=True)]
         self.masks: dict[int, torch.Tensor] = {}  # layer -> mask [T, K] of what update returned
         self.attended: set[int] = set()
         self._full_mask: torch.Tensor | None = None
@@ -74,20 +75,13 @@ class KvCache:
         if layer_idx in self.masks:
             raise UnsupportedError(f"layer {layer_idx} wrote the cache twice in one call; kvtrace's general HF "
                                    "decoder expects one cache update per attention layer")
-        k_cache, v_cache = self.state[2 * layer_idx], self.state[2 * layer_idx + 1]
-        k, v = key_states.to(k_cache.dtype), value_states.to(v_cache.dtype)
+        dtype = self.spec.torch_dtype  # the model's: what an int8 cache is read back as, too
+        k, v = key_states.to(dtype), value_states.to(dtype)
         self._last = layer_idx
-        if self._rings[layer_idx]:
-            keys, values, mask = sliding.attention_inputs(k_cache, v_cache, self.input_pos, k, v)  # [B, H_kv, W+T, D]
-            sliding.OPS.write(k_cache, v_cache, self.input_pos, k, v)  # slots input_pos % W
-            self.masks[layer_idx] = mask  # [T, W + T]
-            return keys, values
-        full.OPS.write(k_cache, v_cache, self.input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
-        self.masks[layer_idx] = self._full()
-        if self.key_pos is None:
-            return k_cache, v_cache
-        # the live prefix 0..L-1, gathered (a slice would make torch.export guard L != S; see llama._live_attention)
-        return k_cache.index_select(2, self.key_pos), v_cache.index_select(2, self.key_pos)  # [B, H_kv, L, D]
+        keys, values, ring_mask = attend.update(self._state[layer_idx], self._rings[layer_idx], self.input_pos, k, v,
+                                                self.key_pos)  # [B, H_kv, S or L or W + T, D]
+        self.masks[layer_idx] = self._full() if ring_mask is None else ring_mask  # [T, S or L], or [T, W + T]
+        return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
         return self.input_pos[0]  # tokens before this call (HF asks only when it is given no position_ids)

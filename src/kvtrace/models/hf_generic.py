@@ -23,6 +23,7 @@ linear/mamba, ...), bidirectional attention, a model class whose attention bypas
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import OrderedDict
 from typing import Any
 
@@ -146,7 +147,7 @@ class HFDecoder(Step):
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): HF's logits_to_keep=1
 
-    def __init__(self, model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1):
+    def __init__(self, model: torch.nn.Module, *, max_seq_len: int, batch_size: int = 1, kv_dtype: str | None = None):
         super().__init__()
         from kvtrace.cache.hf import cache_kwarg_name
 
@@ -155,7 +156,8 @@ class HFDecoder(Step):
         if why:
             raise UnsupportedError(f"model type {cfg.model_type!r} cannot be exported: {why}")
         dtype = next(model.parameters()).dtype
-        self.cache_spec = hf_cache_spec(cfg, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
+        spec = hf_cache_spec(cfg, max_seq_len=max_seq_len, batch_size=batch_size, dtype=dtype)
+        self.cache_spec = dataclasses.replace(spec, kv_dtype=kv_dtype)  # int8: read and written by cache.attend
         for i, layer in enumerate(self.cache_spec.layers):
             if kind_of(layer) not in (full.OPS, sliding.OPS):
                 raise UnsupportedError(f"layer {i}: the general HF decoder runs full and sliding cache layers, "
@@ -182,9 +184,12 @@ class HFDecoder(Step):
         return out.logits  # [B, T or 1, V]
 
 
-def _build(model: torch.nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None) -> HFDecoder:
-    return HFDecoder(model, max_seq_len=max_seq_len, batch_size=batch_size)
+def _build(model: torch.nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None,
+           kv_dtype: str | None = None) -> HFDecoder:
+    return HFDecoder(model, max_seq_len=max_seq_len, batch_size=batch_size, kv_dtype=kv_dtype)
 
 
 # The general decoder: HF's own modules over kvtrace's cache and attention, any decoder-only family; asked last.
-FAMILY = Family("hf", ("any decoder-only causal LM",), supports, _build, priority=90, refusal=refusal)
+# Offers int8 KV caches.
+FAMILY = Family("hf", ("any decoder-only causal LM",), supports, _build, priority=90, refusal=refusal,
+                kv_dtypes=("int8",))

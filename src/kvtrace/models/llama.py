@@ -5,7 +5,7 @@ Phi-3 incl. LongRoPE; with or without a sliding window); each family's quirks ar
 once from the config (``llama_args.py``); verified against the HF model by ``kvtrace verify``. It exists
 because a lean graph compiles to a lean program: q/k/v and gate/up projections are fused into one matmul
 each, RoPE is a table lookup by ``input_pos`` (LongRoPE: two tables, the call's max position picks one), and
-the cache is written with one ``index_copy_`` per tensor, in one function (``cached_attention``).
+the cache is written and read in one function (``cached_attention``, over ``cache.attend.update``).
 
 Decoder contract (see spec/decoder.py)::
 
@@ -33,17 +33,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import full, int8, sliding
+from kvtrace.cache import attend
 from kvtrace.models import fused
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
 from kvtrace.models.registry import Family
 from kvtrace.models.step import Step, programs_for, ring_layers
 from kvtrace.spec import config as hfconfig
-from kvtrace.spec.cache import CacheSpec
+from kvtrace.spec.cache import CacheSpec, LayerState
 
 __all__ = ["FAMILY", "LENGTH_DEPENDENT_ROPE", "LlamaArgs", "LlamaDecoder", "supports"]
-
 
 
 class _Layer(nn.Module):
@@ -90,29 +89,23 @@ def _qkv(a: LlamaArgs, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor,
-                     mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_pos: torch.Tensor | None,
-                     ring: bool) -> torch.Tensor:
+                     mask: torch.Tensor, layer: LayerState, key_pos: torch.Tensor | None, ring: bool) -> torch.Tensor:
     """The one place a layer touches its cache: write k, v [B, H_kv, T, D] at input_pos and attend -> [B, H, T, D].
 
-    Full layer: written at slots input_pos of k_cache/v_cache [B, H_kv, S, D], then q attends over all S
-    slots with mask [T, S], or (``key_pos [L]``, the live prefix) over those L slots with mask [T, L].
-    ``ring`` (a SLIDING layer, S = window): q attends over the ring plus the new keys with the mask of
-    ``sliding.attention_inputs`` (``mask``/``key_pos`` unused), then the ring is written at input_pos % W.
+    What it reads and writes per kind and kv_dtype is ``cache.attend.update``'s: a full layer attends over
+    all S slots with ``mask`` [T, S], or (``key_pos [L]``, the live prefix) over those L slots with mask [T, L];
+    a ring (``ring``: a SLIDING layer, S = window) over the ring plus the new keys with its own mask.
+    The live prefix is gathered ([B, H_kv, L, D], a copy of L slots). Measured on SmolLM2 fp32 (decode
+    tokens/s at position 32 / 300 / 900): gather 47.0 / 42.6 / 35.7; one SDPA per KV head over contiguous
+    per-head slices (no copy) 43.7 / 40.1 / 36.6; all max_seq_len slots with a mask 37.0 / - / 37.7.
     """
-    if ring:
-        keys, values, ring_mask = sliding.attention_inputs(k_cache, v_cache, input_pos, k, v)  # [B, H_kv, W + T, D]
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, scale=a.attention_scale,
-                                           enable_gqa=True)  # [B, H, T, D]
-        sliding.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos % W
-        return o
-    o = fused.attention(q, k, v, input_pos, k_cache, v_cache, a.attention_scale)  # a backend's own kernels
-    if o is not None:  # (only while one substitutes them for a capture, see models/fused.py)
-        return o
-    full.OPS.write(k_cache, v_cache, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
-    if key_pos is None:
-        return F.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask, scale=a.attention_scale,
-                                              enable_gqa=True)  # [B, H, T, D]
-    return _live_attention(q, k_cache, v_cache, key_pos, mask, scale=a.attention_scale)
+    if not ring and layer.scales is None:  # a backend's own kernels, only while one substitutes them for a
+        o = fused.attention(q, k, v, input_pos, layer.k, layer.v, a.attention_scale)  # capture (models/fused.py)
+        if o is not None:
+            return o
+    keys, values, ring_mask = attend.update(layer, ring, input_pos, k, v, key_pos)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask if ring_mask is None else ring_mask,
+                                          scale=a.attention_scale, enable_gqa=True)  # [B, H, T, D]
 
 
 def _residual(a: LlamaArgs, x: torch.Tensor, out: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
@@ -125,59 +118,22 @@ def _residual(a: LlamaArgs, x: torch.Tensor, out: torch.Tensor, norm: torch.Tens
 
 
 def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         key_pos: torch.Tensor | None = None, ring: bool = False, rope: bool = True,
-                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         sin: torch.Tensor, mask: torch.Tensor, kv: LayerState, key_pos: torch.Tensor | None = None,
+                         ring: bool = False, rope: bool = True) -> torch.Tensor:
     """One decoder layer: attention over the cache (``cached_attention``), then the SwiGLU MLP.
 
-    x [B, T, dim]; cos/sin [T, D_rot]; k_cache/v_cache [B, H_kv, S, D]; mask, key_pos, ring: see
-    ``cached_attention``. ``rope`` False: this layer applies no RoPE (SmolLM3). ``scales``: an int8 cache's
-    (k_scale, v_scale) [B, H_kv, S, 1] (``int8_attention``). Pre-norm sublayers, or
+    x [B, T, dim]; cos/sin [T, D_rot]; ``kv``: the layer's cache state (k/v [B, H_kv, S, D], and an int8 cache's
+    scales); mask, key_pos, ring: see ``cached_attention``. ``rope`` False: this layer applies no RoPE
+    (SmolLM3). Pre-norm sublayers, or
     with ``a.post_norms`` the norms on each sublayer's output (``_residual``).
     """
     b, t, _ = x.shape
     h = x if a.post_norms else _norm(a, x, layer.attn_norm)
     q, k, v = _qkv(a, layer, h, cos, sin, rope)
-    if scales is not None:
-        o = int8_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, scales, key_pos, ring)  # [B, H, T, D]
-    else:
-        o = cached_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, key_pos, ring)  # [B, H, T, D]
+    o = cached_attention(a, q, k, v, input_pos, mask, kv, key_pos, ring)  # [B, H, T, D]
     x = _residual(a, x, layer.wo(o.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)), layer.attn_norm)
     h = x if a.post_norms else _norm(a, x, layer.ffn_norm)
     return _residual(a, x, swiglu(layer, h), layer.ffn_norm)
-
-
-def int8_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor,
-                   mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   scales: tuple[torch.Tensor, torch.Tensor], key_pos: torch.Tensor | None = None,
-                   ring: bool = False) -> torch.Tensor:
-    """``cached_attention`` over an int8 cache (cache/int8.py): k_cache/v_cache
-    [B, H_kv, S, D] int8 with ``scales`` [B, H_kv, S, 1]; every key and value the queries see is read as the
-    cache stores it (quantized, then dequantized), this call's own included. -> [B, H, T, D]."""
-    if ring:  # the ring as it was, plus this call's keys as the ring will hold them; written after
-        ring_k, ring_v = int8.read(k_cache, v_cache, scales, q.dtype)  # [B, H_kv, W, D]
-        keys, values, ring_mask = sliding.attention_inputs(ring_k, ring_v, input_pos, int8.stored(k), int8.stored(v))
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, scale=a.attention_scale,
-                                           enable_gqa=True)
-        int8.write(sliding.OPS, k_cache, v_cache, scales, input_pos, k, v)  # slots input_pos % W
-        return o
-    int8.write(full.OPS, k_cache, v_cache, scales, input_pos, k, v)  # slots input_pos
-    keys, values = int8.read(k_cache, v_cache, scales, q.dtype, key_pos)  # [B, H_kv, L or S, D]
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.attention_scale, enable_gqa=True)
-
-
-def _live_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_pos: torch.Tensor,
-                    mask: torch.Tensor, scale: float | None = None) -> torch.Tensor:
-    """Attention of q [B, H, T, D] over the live cache slots 0..L-1 (key_pos [L]; mask [T, L]) -> [B, H, T, D].
-
-    The live slots are gathered ([B, H_kv, L, D], a copy of L slots). A slice k_cache[:, :, :L] would make
-    torch.export guard L != S (the view's contiguity flips at L == S), so a program could never fill
-    its last slot. Measured on SmolLM2 fp32 (decode tokens/s at position 32 / 300 / 900): gather
-    47.0 / 42.6 / 35.7; one SDPA per KV head over contiguous per-head slices (no copy) 43.7 / 40.1 /
-    36.6; all max_seq_len slots with a mask 37.0 / - / 37.7. ``scale``: SDPA's (None: 1/sqrt(D)).
-    """
-    k, v = k_cache.index_select(2, key_pos), v_cache.index_select(2, key_pos)  # [B, H_kv, L, D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)  # [B, H, T, D]
 
 
 def swiglu(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -238,8 +194,8 @@ class LlamaDecoder(Step):
         mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
         for i, layer in enumerate(self.layers):
             kv = self.cache_spec.layer_state(state, i)  # k, v (+ an int8 cache's scales)
-            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, kv.k, kv.v, key_pos, ring=self._rings[i],
-                                     rope=i not in a.no_rope, scales=kv.scales)
+            x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, kv, key_pos, ring=self._rings[i],
+                                     rope=i not in a.no_rope)
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
         logits = self.output(_norm(a, x, self.norm))  # [B, T or 1, V]

@@ -49,7 +49,7 @@ from kvtrace.models.llama import (
 )
 from kvtrace.models.registry import Family
 from kvtrace.spec import config as hfconfig
-from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
+from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec, LayerState
 from kvtrace.spec.program import InputSpec, ProgramSpec
 
 __all__ = ["DEFAULT_IMAGE_TOKENS", "FAMILY", "MllamaDecoder", "cross_mask_bias", "hf_cross_kwargs", "is_mllama",
@@ -213,7 +213,7 @@ class MllamaDecoder(nn.Module):
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = state[2 * i], state[2 * i + 1]
             if i not in self.cross:
-                x = self_attention_block(a, layer, x, input_pos, cos, sin, causal, k_cache, v_cache)
+                x = self_attention_block(a, layer, x, input_pos, cos, sin, causal, LayerState(k_cache, v_cache))
             elif image is not None:
                 k, v = _image_kv(a, layer, image)
                 # [B, H_kv, N, D], read by every later token

@@ -123,7 +123,7 @@ class _Step(torch.nn.Module):
         if not kind.stateful:
             cache = None
         elif kind.static:
-            cache = hfc.build_static(self.template, state)
+            cache = hfc.build_static(self.template, state, past)
         else:
             cache = hfc.build_dynamic(state, self.n_layers, _held(self.key), self.key.windows, past)
         if self.key.logits_to_keep:
@@ -326,9 +326,9 @@ class JittedModel:
         past = {len(call.key.inputs) + 2 * k + kv for k, i in enumerate(_held(call.key))
                 if hfc.length_of(call.key.layers[i]) == hfc.PAST for kv in (0, 1)}  # self layers' keys and values: P
         if _carries_past(call.key):
-            past.add(len(call.key.inputs) + 2 * len(_held(call.key)))  # the sliding layers' P: [0, P]
+            past.add(len(names) - 1)  # the sliding layers' P: [0, P], the last argument
         contract = Contract(ep, names, waive=_causal_slice_waiver(call.key, past))
-        if call.key.cache.filled:
+        if call.key.cache.filled or _carries_past(call.key):
             placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"][-len(names):]
             for a, d in baked:
                 size = int(placeholders[a].meta["val"].shape[d])
@@ -379,6 +379,8 @@ class JittedModel:
             hfc.write_back_dynamic(call.cache, {i: (outs[1 + 2 * j], outs[2 + 2 * j]) for j, i in enumerate(written)})
             if call.key.windows:
                 hfc.advance_sliding(call.cache, written, call.tensors[0].shape[1])
+        elif call.key.cache.static and call.key.windows:  # the tensors were written in place by the program
+            hfc.advance_static_sliding(call.cache, call.tensors[0].shape[1])
         return hfc.make_output(self.model, logits, call.cache, call.return_dict)
 
 

@@ -34,7 +34,7 @@ class CallKey:
     batch: int
     device: str
     model_dtype: str
-    static_len: int | None  # StaticCache max_cache_len (a static shape), else None
+    static_len: int | None  # StaticCache max_cache_len of its full layers (a static shape), else None
     logits_to_keep: int
     layers: tuple[str, ...] = ()  # per model layer: "self", "cross-filled" or "cross-empty" (the kinds' hf_label)
     # Cross layers attending without a cross_attention_mask: HF's sdpa path is then a different graph for one
@@ -47,18 +47,19 @@ class CallKey:
     # contract. Keyed here, a program only ever runs sizes of the class it was traced with: decode (T = 1)
     # and extend (T >= 2 on a filled cache) are two programs; within a class lengths stay symbolic.
     sizes: tuple[int, int] = (2, 2)
-    # Per model layer, the window of a sliding-window cache layer (DynamicSlidingWindowLayer), 0 for others;
-    # () when the cache has none. The window is graph structure (the mask, the stored tail).
+    # Per model layer, the window of a sliding-window cache layer (DynamicSlidingWindowLayer, or a StaticCache's
+    # StaticSlidingWindowLayer: its max_cache_len), 0 for others; () when the cache has none. The window is
+    # graph structure (the mask, the stored tail).
     windows: tuple[int, ...] = ()
     # Which side of each window the call is on (``sliding_regime``; "" without sliding layers): HF's sliding
     # code branches on it, so a program holds for one regime, symbolic in every length within it.
     regime: str = ""
 
 
-# Regimes of a call of T new tokens on a cache with a sliding-window layer of window W that has seen P tokens
-# and stores the tail S = min(P, W - 1) (``DynamicSlidingWindowLayer``). HF's code branches on two things:
-# ``update`` keeps ``cat(tail, new)[-W + 1:]`` (torch.export guards on S + T against W - 1: shorter, exactly
-# W - 1 (the slice is the whole, contiguous tensor) or longer), and ``get_mask_sizes`` on ``P >= W``
+# Regimes of a call of T new tokens on a cache with a sliding-window layer of window W that has seen P tokens.
+# DynamicCache (``DynamicSlidingWindowLayer``) stores the tail S = min(P, W - 1). HF's code branches on two
+# things: ``update`` keeps ``cat(tail, new)[-W + 1:]`` (torch.export guards on S + T against W - 1: shorter,
+# exactly W - 1 (the slice is the whole, contiguous tensor) or longer), and ``get_mask_sizes`` on ``P >= W``
 # (``is_full``: the mask offset P - W + 1). Below the window S = P, so S + T = P + T:
 #
 #   filling   P + T <  W - 1       new tail P + T (symbolic), P symbolic
@@ -69,26 +70,42 @@ class CallKey:
 # A fresh cache (P = 0) is filling, reaching or crossing by T. Each (regime x size class) that a call reaches
 # is one program (a key); a decode that crosses the window meets filling (P <= W - 3), reaching (P = W - 2),
 # crossing (P = W - 1) and full (P >= W): four decode programs, then none for the rest of the generation.
+#
+# StaticCache (``StaticSlidingWindowLayer``) holds a static [B, H_kv, W, D] and branches on its Python int P
+# (``cumulative_length_int``): ``P >= W`` (full: one token rolls the window left, more are appended and the
+# last W kept), ``P + T > W`` (crossing: P past tokens and the T new ones, the last W kept; P = 0 its own
+# branch, told apart by P's size class) or neither (written in place at P .. P + T - 1, the mask W long:
+# padded with an attention_mask shorter than W, so filling and reaching differ):
+#
+#   filling   P + T < W    reaching   P + T == W    crossing   P < W < P + T    full   P >= W
 SLIDING_REGIMES = ("filling", "reaching", "crossing", "full")
 
 
-def _regime_of(t_len: int, past: int, window: int) -> str:
+def _regime_of(t_len: int, past: int, window: int, static: bool) -> str:
     if past >= window:
         return "full"
     n = past + t_len  # S + T, as S = P below the window
+    if static:
+        return "filling" if n < window else "reaching" if n == window else "crossing"
     return "filling" if n < window - 1 else "reaching" if n == window - 1 else "crossing"
 
 
-def sliding_regime(t_len: int, past: int, windows: tuple[int, ...]) -> str:
+def sliding_regime(t_len: int, past: int, windows: tuple[int, ...], static: bool = False) -> str:
     """``CallKey.regime``: the regime (``SLIDING_REGIMES``) of each distinct window, in increasing window
-    order, comma-separated; "" when no layer slides."""
-    return ",".join(_regime_of(t_len, past, w) for w in sorted({w for w in windows if w}))
+    order, comma-separated; "" when no layer slides. ``static``: the windows of a StaticCache's layers."""
+    return ",".join(_regime_of(t_len, past, w, static) for w in sorted({w for w in windows if w}))
 
 
-def size_classes(t_len: int, past: int, kind: CacheKind) -> tuple[int, int]:
-    """``CallKey.sizes``: (min(T, 2), min(P, 2)); P is 2 where it is no tensor size (StaticCache, no cache)."""
-    dynamic_past = kind.dynamic
-    return min(t_len, 2), min(past, 2) if dynamic_past else 2
+def key_regime(key: CallKey, t_len: int, past: int) -> str:
+    """The regime a call of ``t_len`` tokens at past length ``past`` would have under ``key``'s cache."""
+    return sliding_regime(t_len, past, key.windows, key.cache.static)
+
+
+def size_classes(t_len: int, past: int, kind: CacheKind, windows: tuple[int, ...] = ()) -> tuple[int, int]:
+    """``CallKey.sizes``: (min(T, 2), min(P, 2)); P is 2 where it is no tensor size (a StaticCache without
+    sliding layers, no cache)."""
+    sized_past = kind.dynamic or (kind.static and any(windows))
+    return min(t_len, 2), min(past, 2) if sized_past else 2
 
 
 @dataclass
@@ -115,9 +132,11 @@ def _written(key: CallKey) -> tuple[int, ...]:
 
 
 def _carries_past(key: CallKey) -> bool:
-    """The program takes P as the size of a ``[0, P]`` tensor after the held state: a filled cache with
-    sliding-window layers, whose stored tail no longer tells P once P >= W (``hfc.build_dynamic``'s ``past``)."""
-    return key.cache.filled and any(key.windows)
+    """The program takes P as the size of a ``[0, P]`` tensor after the cache state: a filled DynamicCache with
+    sliding-window layers, whose stored tail no longer tells P once P >= W (``hfc.build_dynamic``'s ``past``),
+    and a StaticCache with sliding-window layers, whose code branches on P as a Python int
+    (``hfc.build_static``'s ``past``)."""
+    return (key.cache.filled or key.cache.static) and any(key.windows)
 
 
 def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
@@ -156,7 +175,8 @@ def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
         raise UnsupportedError("a cache together with use_cache=False is not supported; drop one of them")
     kind = hfc.classify(cache, jm._cross)
     layers = hfc.layer_pattern(cache, jm._n_layers, jm._cross)
-    windows = hfc.windows(cache, jm._n_layers) if kind.dynamic else ()
+    windows = (hfc.windows(cache, jm._n_layers) if kind.dynamic else hfc.static_windows(cache) if kind.static
+               else ())
     windows = windows if any(windows) else ()
 
     names = tuple(n for n in (*_SEQ_DIM, *jm._cross_inputs) if bound.get(n) is not None)
@@ -189,13 +209,13 @@ def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
         layer0 = cache.layers[0]
         cache_dtype = str(next(jm.model.parameters()).dtype)  # what HF's lazy init will allocate
         if layer0.is_initialized:
-            past = int(layer0.cumulative_length)  # host-side read, outside any trace
+            past = hfc.static_past(cache)  # host-side reads, outside any trace
             cache_dtype = str(layer0.keys.dtype)
             if layer0.keys.shape[0] != batch:
                 raise UsageError(f"cache holds batch {layer0.keys.shape[0]} but the inputs have batch {batch}")
             if not all(t.is_contiguous() for t in hfc.static_state(cache)):
                 raise UnsupportedError("a StaticCache holding non-contiguous tensors is not supported")
-        if past + t_len > static_len:
+        if static_len is not None and past + t_len > static_len:
             raise CacheOverflowError(
                 f"StaticCache holds {static_len} positions; {past} are used and the call adds {t_len} "
                 f"({past + t_len} > {static_len}). Create the cache with a larger max_cache_len."
@@ -223,9 +243,9 @@ def read_call(jm: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Call:
         logits_to_keep=keep,
         layers=layers,
         unmasked_cross=_unmasked_cross(given, image, t_len),
-        sizes=size_classes(t_len, past, kind),
+        sizes=size_classes(t_len, past, kind, windows),
         windows=windows,
-        regime=sliding_regime(t_len, past, windows),
+        regime=sliding_regime(t_len, past, windows, kind.static),
     )
     return _Call(key=key, tensors=tensors, cache=cache, return_dict=bool(return_dict), past_len=past,
                  weights=weights, cross_len=cross_len)
@@ -262,9 +282,18 @@ def arg_shapes(call: _Call, n_layers: int, n_kv: int, head_dim: int) -> list[tor
         if call.cache.layers[0].is_initialized:
             shapes += [t.shape for t in hfc.static_state(call.cache)]
         else:
-            kv = torch.Size((call.key.batch, n_kv, call.key.static_len, head_dim))
-            shapes += [kv, kv, torch.Size(())] * n_layers
+            for s in static_slots(call.key, n_layers):
+                kv = torch.Size((call.key.batch, n_kv, s, head_dim))
+                shapes += [kv, kv, torch.Size(())]
+        if _carries_past(call.key):
+            shapes.append(torch.Size((0, call.past_len)))
     return shapes
+
+
+def static_slots(key: CallKey, n_layers: int) -> list[int]:
+    """S of each layer of a StaticCache key: the window of a sliding layer, else max_cache_len."""
+    windows = key.windows or (0,) * n_layers
+    return [w or int(key.static_len or 0) for w in windows]
 
 
 def arg_names(key: CallKey, n_layers: int) -> list[str]:
@@ -277,6 +306,8 @@ def arg_names(key: CallKey, n_layers: int) -> list[str]:
     elif key.cache.static:
         names += [f"cache layer {i} {t}" for i in range(n_layers)
                   for t in ("keys", "values", "cumulative_length")]
+        if _carries_past(key):
+            names.append("past length (cumulative_length_int of the sliding-window layers)")
     return names
 
 
@@ -300,6 +331,8 @@ def program_args(call: _Call) -> list[torch.Tensor]:
             args.append(past_carrier(call.past_len, call.tensors[0].device))
     elif call.key.cache.static:
         args += hfc.static_state(call.cache)
+        if _carries_past(call.key):
+            args.append(past_carrier(call.past_len, call.tensors[0].device))
     return args
 
 

@@ -22,8 +22,9 @@ from kvtrace.runtime.jit_call import (
     _carries_past,
     _held,
     cache_dtype,
+    key_regime,
     past_carrier,
-    sliding_regime,
+    static_slots,
 )
 from kvtrace.runtime.jit_cross import _CROSS
 
@@ -48,7 +49,7 @@ def examples(call: _Call, exact: bool, n_layers: int, n_kv: int,
     elif key.unmasked_cross == "causal" and not exact:
         t_ex = _T_CAUSAL_EX
     p_ex = call.past_len if exact else (0 if key.cache.fresh else _P_EX)
-    if key.cache.filled and key.sizes[1] < 2:  # P = 0 or 1: likewise static
+    if _sized_past(key) and key.sizes[1] < 2:  # P = 0 or 1: likewise static
         p_ex = key.sizes[1]
     nc_ex = call.cross_len if exact else (_NC_EX if any(hfc.length_of(s) == hfc.IMAGE for s in key.layers) else 0)
     if key.static_len is not None:
@@ -93,13 +94,21 @@ def examples(call: _Call, exact: bool, n_layers: int, n_kv: int,
             shapes.append({1: Dim.AUTO} if p_ex != 1 else {})
     elif key.cache.static:
         dtype = cache_dtype(call)
-        shape = (key.batch, n_kv, key.static_len, head_dim)  # [B, H_kv, S_max, D]
-        for _ in range(n_layers):
+        for slots in static_slots(key, n_layers):
+            shape = (key.batch, n_kv, slots, head_dim)  # [B, H_kv, S_max or W, D]
             examples += [torch.zeros(shape, dtype=dtype, device=key.device),
                          torch.zeros(shape, dtype=dtype, device=key.device),
                          torch.tensor(p_ex, dtype=torch.int64, device=key.device)]
             shapes += [None, None, None]
+        if _carries_past(key):  # P of the sliding layers (hfc.build_static's past)
+            examples.append(past_carrier(p_ex, key.device))
+            shapes.append({1: Dim.AUTO} if p_ex >= 2 else {})
     return examples, shapes
+
+
+def _sized_past(key: CallKey) -> bool:
+    """P is a tensor size of the program (a held DynamicCache layer's S, or the carrier [0, P])."""
+    return key.cache.filled or (key.cache.static and _carries_past(key))
 
 
 def sliding_lengths(key: CallKey, target: tuple[int, int] = (_P_EX, _T_EX),
@@ -107,7 +116,8 @@ def sliding_lengths(key: CallKey, target: tuple[int, int] = (_P_EX, _T_EX),
     """Example (P, T) of a key with sliding layers: in its size classes and ``key.regime``; None if none is.
 
     Preferred, in order: the symbolic sizes (T, P, P + T; those of size class >= 2) pairwise distinct and
-    distinct from the static tails W - 1 (so none is unified with another by its value); other than
+    distinct from the static tails W - 1 (a StaticCache's buffers W) (so none is unified with another by its
+    value); other than
     ``avoid`` in each symbolic size (a second capture for comparison); nearest ``target`` (for a full
     regime P nearest W + 3 or beyond: inside it, not on its edge P = W).
     """
@@ -116,20 +126,24 @@ def sliding_lengths(key: CallKey, target: tuple[int, int] = (_P_EX, _T_EX),
     # handful per window, so a real window (4096) costs no more than a tiny one
     near = {v for w in wins for v in (*range(w - 4, w + 5), *(w - 1 - d for d in range(9)), 2 * w, 2 * w + 1)}
     values = sorted(v for v in {*range(2, 9), 11, *target, *(avoid or ()), *near} if v >= 2)
-    t_sym, p_sym = key.sizes[0] >= 2, key.cache.filled and key.sizes[1] >= 2
+    t_sym, p_sym = key.sizes[0] >= 2, _sized_past(key) and key.sizes[1] >= 2
+    # static sizes a symbolic one must not equal: the stored tails W - 1 (DynamicCache), the buffers W (static)
+    fixed = {w if key.cache.static else w - 1 for w in wins}
     ts = values if t_sym else (key.sizes[0],)
     ps = (0,) if key.cache.fresh else values if p_sym else (key.sizes[1],)
+    room = key.static_len  # a StaticCache's full layers hold P + T <= max_cache_len
     full = [w for w, r in zip(wins, key.regime.split(","), strict=False) if r == "full"]
     p_target = max(target[0], *(w + 3 for w in full)) if full else target[0]
     ps = sorted({*ps, p_target}) if p_sym else ps
 
     def score(p: int, t: int) -> tuple[int, int, int]:
         sym = [v for v, s in ((p, p_sym), (t, t_sym)) if s] + ([p + t] if p_sym or t_sym else [])
-        clash = len(sym) - len(set(sym)) + sum(v in {w - 1 for w in wins} for v in sym)
+        clash = len(sym) - len(set(sym)) + sum(v in fixed for v in sym)
         same = 0 if avoid is None else (p_sym and p == avoid[0]) + (t_sym and t == avoid[1])
         return clash, same, abs(p - p_target) + abs(t - target[1])
 
-    found = [(p, t) for p in ps for t in ts if (p, t) != avoid and sliding_regime(t, p, key.windows) == key.regime]
+    found = [(p, t) for p in ps for t in ts if (p, t) != avoid and key_regime(key, t, p) == key.regime
+             and (room is None or p + t <= room)]
     return min(found, key=lambda pt: score(*pt)) if found else None
 
 

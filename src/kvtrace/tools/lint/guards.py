@@ -178,7 +178,7 @@ def _assignments(key: Any, max_len: int | None) -> list[dict[str, int]]:
     for t, p in itertools.product(_in_class(t_values, key.sizes[0]), ps):
         if max_len is not None and t + p > max_len:
             continue
-        if wins and jit_view.regime(t, p, key.windows) != key.regime:
+        if wins and jit_view.regime(t, p, key.windows, key.cache.static) != key.regime:
             continue
         out.append({"T": t, "P": p, "P+T": p + t, **{f"S{w}": min(p, w - 1) for w in wins}})
     return out

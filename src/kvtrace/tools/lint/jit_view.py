@@ -85,11 +85,12 @@ def sliding_example_lengths(key: Any, target: tuple[int, int] | None = None,
     return None if found is None else (found[1], found[0])
 
 
-def regime(t_len: int, past: int, windows: tuple[int, ...]) -> str:
-    """The sliding regime a call of ``t_len`` tokens at past length ``past`` is in (``CallKey.regime``)."""
+def regime(t_len: int, past: int, windows: tuple[int, ...], static: bool = False) -> str:
+    """The sliding regime a call of ``t_len`` tokens at past length ``past`` is in (``CallKey.regime``);
+    ``static``: the windows are a StaticCache's."""
     from kvtrace.runtime.jit_call import sliding_regime
 
-    return sliding_regime(t_len, past, windows)
+    return sliding_regime(t_len, past, windows, static)
 
 
 def held_layers(key: Any) -> tuple[int, ...]:

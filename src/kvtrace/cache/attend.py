@@ -1,0 +1,58 @@
+"""One self-attention layer's cache access in a program: write the call's K/V, return what its queries read.
+
+Every decoder (``models.llama``, ``models.gemma``, the general path's ``models.hf_attention``) calls ``update``
+once per self-attention layer and then attends with its own kernel (SDPA, soft-capped, HF's modules), so
+what a layer reads and writes for each kind and each ``kv_dtype`` is decided here, once::
+
+    FULL     writes k, v at slots input_pos; reads every slot [B, H_kv, S, D], or with key_pos [L] the
+             live prefix [B, H_kv, L, D] (gathered: a slice would make torch.export guard L != S, so a
+             program could never fill its last slot); the caller masks by position ([T, S] or [T, L])
+    SLIDING  reads the ring as it was plus the call's keys [B, H_kv, W + T, D] with the ring's own mask
+             [T, W + T] (``sliding.attention_inputs``), then writes slots input_pos % W
+
+An int8 cache (``LayerState.scales`` set, ``cache/int8.py``) is written quantized and read dequantized in the
+call's dtype; the call's own keys are read as the cache stores them (``int8.stored``), so every key a query
+sees went through the int8 round trip, on every path alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvtrace.cache import full, int8, sliding
+from kvtrace.cache.kinds import KindOps
+from kvtrace.spec.cache import LayerState
+
+__all__ = ["update"]
+
+
+def update(layer: LayerState, ring: bool, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           key_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """k, v [B, H_kv, T, D] at positions ``input_pos [T]`` into ``layer`` -> (keys, values, mask): what the
+    call's queries attend over, and for a ring (``ring``: a SLIDING layer) its mask [T, W + T] (True = visible);
+    None for a full layer, which the caller masks by position."""
+    scales = layer.scales
+    if ring:
+        if scales is None:
+            old_k, old_v, new_k, new_v = layer.k, layer.v, k, v
+        else:
+            old_k, old_v = int8.read(layer.k, layer.v, scales, k.dtype)  # [B, H_kv, W, D]
+            new_k, new_v = int8.stored(k), int8.stored(v)
+        keys, values, mask = sliding.attention_inputs(old_k, old_v, input_pos, new_k, new_v)  # [B, H_kv, W + T, D]
+        _write(sliding.OPS, layer, input_pos, k, v)  # slots input_pos % W, after the read
+        return keys, values, mask
+    _write(full.OPS, layer, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
+    if scales is not None:
+        keys, values = int8.read(layer.k, layer.v, scales, k.dtype, key_pos)  # [B, H_kv, L or S, D]
+    elif key_pos is None:
+        keys, values = layer.k, layer.v
+    else:
+        keys, values = layer.k.index_select(2, key_pos), layer.v.index_select(2, key_pos)  # [B, H_kv, L, D]
+    return keys, values, None
+
+
+def _write(kind: KindOps, layer: LayerState, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if layer.scales is None:
+        kind.write(layer.k, layer.v, input_pos, k, v)
+    else:
+        int8.write(kind, layer.k, layer.v, layer.scales, input_pos, k, v)
