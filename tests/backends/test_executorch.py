@@ -155,11 +155,12 @@ def test_loading_needs_neither_transformers_nor_torch_export_deserialization(lla
 
 # --- other families --------------------------------------------------------------------------------------------
 @pytest.mark.compile
-@pytest.mark.parametrize(("arch", "overrides"), [("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 4})],
-                         ids=["qwen2", "qwen3", "mistral-sliding"])
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 4}),
+                                                ("gemma2", {})], ids=["qwen2", "qwen3", "mistral-sliding", "gemma2"])
 def test_families_verify(arch, overrides, tmp_path):
     """Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral with a window of 4 (rings: a 10-token prompt and 8
-    decoded tokens cross it; ExecuTorch's remainder of a negative int once broke the ring's slot positions)."""
+    decoded tokens cross it; ExecuTorch's remainder of a negative int once broke the ring's slot positions),
+    Gemma 2 (its own decoder: soft-capping, local rings of 8 and global layers)."""
     model = tiny_model(arch, **overrides)
     path = kvtrace.export(model, tmp_path / f"{arch}.pte", max_seq_len=32, backend="executorch")
     prompts = [list(range(5, 25, 2)), [3, 4, 5]]

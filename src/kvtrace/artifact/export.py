@@ -21,7 +21,7 @@ import torch
 from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
-from kvtrace.capture.export import with_prefill_logits
+from kvtrace.capture.export import capture_programs, with_prefill_logits
 from kvtrace.spec.manifest import Manifest, ModelInfo
 from kvtrace.spec.program import program_specs
 
@@ -174,7 +174,10 @@ def export(
     try:
         with progress("capturing programs (torch.export)"):
             # only what the backend compiles: aoti-packed's one program is prefill's (T symbolic; it serves decode too)
-            eps = chosen.capture(decoder, tuple(chosen.compiled({p.name: p for p in programs}).values()))
+            wanted = tuple(chosen.compiled({p.name: p for p in programs}).values())
+            eps = chosen.capture(decoder, wanted)
+            if eps is None:  # the standard capture: the cache as inputs updated in place
+                eps = capture_programs(decoder, wanted)
             weights = {} if chosen.packs_weights else _weights(eps)
         compiled = chosen.compiled(eps)  # compiled program name -> captured program
         with progress(chosen.compile_label):

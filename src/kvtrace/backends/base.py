@@ -69,12 +69,10 @@ class Backend:
         return programs
 
     def capture(self, decoder: torch.nn.Module,
-                programs: tuple[ProgramSpec, ...]) -> dict[str, torch.export.ExportedProgram]:
-        """ProgramSpec name -> captured program. Default: ``capture.export.capture_programs`` (the cache as
-        inputs updated in place)."""
-        from kvtrace.capture.export import capture_programs
-
-        return capture_programs(decoder, programs)
+                programs: tuple[ProgramSpec, ...]) -> dict[str, torch.export.ExportedProgram] | None:
+        """ProgramSpec name -> captured program, for a backend that captures its own way; None (the default):
+        the standard capture, ``capture.export.capture_programs`` (the cache as inputs updated in place)."""
+        return None
 
     @property
     def compile_label(self) -> str:

@@ -307,7 +307,7 @@ def verify(
                         broken[c_idx] = f"skipped: {_describe(e)} at step {step}"
                     if s == 0 and initial.get(c_idx):  # the state it started from was not the declared one
                         row = dataclasses.replace(row, passed=False,
-                                                  failure="; ".join(filter(None, (initial[c_idx], row.failure))))
+                                                  failure="; ".join(filter(None, (row.failure, initial[c_idx]))))
                     report.rows.append(row)
     if reference.name != "eager":
         report.rows = [dataclasses.replace(r, reference=reference.name) for r in report.rows]
