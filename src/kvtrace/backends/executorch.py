@@ -1,7 +1,7 @@
 """Backend "executorch": one ExecuTorch program (``.pte``) whose KV cache is initialized mutable state.
 
 ``kvtrace export SOURCE --backend executorch -o model.pte`` writes ``model.pte`` and, when the source has a
-tokenizer, ``model.tokenizer.json`` next to it (the file ExecuTorch's runners take as ``tokenizer_path``;
+tokenizer and the output is named ``*.pte``, ``model.tokenizer.json`` next to it (the file ExecuTorch's runners take as ``tokenizer_path``;
 the same tokenizer is also inside the .pte for kvtrace). Loading needs ``executorch`` and kvtrace only
 (``pip install 'kvtrace[executorch]'``): no transformers, no torch.export deserialization.
 
@@ -255,8 +255,8 @@ class ExecuTorchBackend(Backend):
         blob = edge.to_executorch(config).buffer
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, blob)
-        if tokenizer_json is not None:
-            _write_atomic(tokenizer_path(path), tokenizer_json.encode())
+        if tokenizer_json is not None and path.suffix == ".pte":  # for ExecuTorch's runners; any other name
+            _write_atomic(tokenizer_path(path), tokenizer_json.encode())  # (kvtrace's caches) carries it inside only
         return path
 
     # --- load -------------------------------------------------------------------------------------------
