@@ -19,7 +19,7 @@ from kvtrace.backends.aoti import PACKAGE
 from kvtrace.backends.base import Backend
 from kvtrace.backends.exported import ExportedBackend
 
-BUILT_IN = ("exported", "aoti", "aoti-packed")
+BUILT_IN = ("exported", "aoti", "aoti-packed", "executorch")
 
 
 def test_the_registry_lists_the_built_in_backends():

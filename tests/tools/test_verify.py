@@ -167,6 +167,20 @@ def test_cache_not_reset_between_prompts_fails_at_prompt_1_prefill(broken, built
     strict_json(report.to_json())  # infinite errors are written as null
 
 
+def test_a_state_not_holding_its_declared_initial_values_fails_the_first_prefill(built):
+    """What a runtime without kvtrace's reset starts from is checked too (the seed's bug: an exporter that
+    dropped a cache's initial values); reset() restores them, so the next prompt passes."""
+    model, art = built("llama")
+    s = art.session()
+    s.state[0][0, 1, 2, 3] = 3.0  # as if the program had started from other memory than declared
+    report = verify(EagerRunner(model), [SessionRunner(s, "lost")], PROMPTS, steps=1)
+    fail = report.first_failure("lost")
+    assert (fail.prompt, fail.step) == (0, "prefill")
+    assert fail.failure == ("cache buffer layers.0.k holds 3 at [0, 1, 2, 3] where the CacheSpec declares 0 "
+                            "everywhere (its initial value was lost, or reset() did not restore it)")
+    assert [r.passed for r in report.rows] == [False, True, True, True]  # logits and K/V themselves are right
+
+
 # a Decoder whose cache has a non-zero declared initial value that the forward reads
 TOY_VOCAB, TOY_DIM, TOY_LAYERS, TOY_LEN, TOY_SCALE = 32, 8, 2, 24, 7.0
 

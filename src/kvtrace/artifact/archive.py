@@ -97,12 +97,17 @@ class Artifact:
         return Session.of(self.program_set(), device=self.device, cuda_graphs=cuda_graphs, capturer=capturer)
 
     def program_set(self) -> ProgramSet:
-        """This artifact's programs with what they declare: what a Session runs (``Session.swap`` takes it)."""
+        """This artifact's programs with what they declare: what a Session runs (``Session.swap`` takes it).
+        Programs that hold their cache (``Backend.holds_state``) are a new instance each time, with its state."""
         m = self.manifest
-        extra = {n: (spec, self._programs[n]) for n, spec in m.programs.items() if n not in ("prefill", "decode")}
-        return ProgramSet(self.cache_spec, self._programs["prefill"], self._programs["decode"], extra=extra,
+        # (an in-memory "eager" artifact, artifact.tiered, runs its decoder's own programs: nothing to bind)
+        programs, state = (registry.get(m.backend).bind(self._programs, m) if m.backend in registry.names()
+                           else (self._programs, None))
+        extra = {n: (spec, programs[n]) for n, spec in m.programs.items() if n not in ("prefill", "decode")}
+        return ProgramSet(self.cache_spec, programs["prefill"], programs["decode"], extra=extra,
                           prefill_logits=m.programs["prefill"].logits, key_pos=m.programs["prefill"].key_pos,
-                          vocab_size=m.vocab_size, identity=self.identity, label=m.backend, quant=m.quant)
+                          vocab_size=m.vocab_size, identity=self.identity, label=m.backend, quant=m.quant,
+                          state=state)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).
@@ -157,6 +162,13 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
     path = Path(path)
     if expected_sha256 is not None and path.is_file():
         reader.check_file_hash(path, expected_sha256)
+    owner = next((b for b in map(registry.get, registry.names()) if b.standalone and path.is_file()
+                  and b.owns_file(path)), None)
+    if owner is not None:  # a backend's own format (an ExecuTorch .pte): the manifest is inside it
+        if device is not None and resolve_device(device, what="load device").type != "cpu":
+            raise UsageError(f"{path} is a {owner.name} program; it runs on the CPU only, got device={str(device)!r}")
+        manifest, programs, tokenizer_json = owner.load_file(path)
+        return Artifact(path, manifest, programs, tokenizer_json)
     manifest, blobs = reader.read_zip(path)
     dev = resolve_device(device, default=manifest.device, what="load device")
     if dev.type != manifest.device:

@@ -223,6 +223,10 @@ def export(
         # written and checked on CPU only
         raise UnsupportedError(f"quant={qspec.scheme!r} on device {dev}: quantized weights are computed by CPU kernels "
                                "only; export with device='cpu', or without quant for a GPU")
+    if chosen.standalone and (qspec is not None or dev.type != "cpu"):
+        raise UnsupportedError(f"backend {backend!r} writes a CPU program of float weights; "
+                               + (f"quant={qspec.scheme!r}" if qspec is not None else f"device {dev}")
+                               + " is not offered with it yet. Use backend 'aoti', or export without it")
     check_available(dev, f"export to device {dev}")
     dev = concrete(dev)
     if max_seq_len < 1 or batch_size < 1:
@@ -236,15 +240,33 @@ def export(
         decoder, model, info, tokenizer_json, qspec = _from_source(
             source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
             kv_dtype=kv_dtype, device=dev, quant=qspec)
-    programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
+    programs = chosen.program_specs(with_prefill_logits(program_specs(decoder), prefill_logits, decoder), decoder)
     chosen.check_programs([p.name for p in programs], info.model_name or type(decoder).__name__)
+
+    def manifest(aliases: dict[str, str]) -> Manifest:
+        vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
+        return dataclasses.replace(
+            make_manifest(backend, decoder, info, programs, vocab),
+            weight_aliases=aliases,
+            quant=qspec,
+            device=dev.type,
+            export_seconds=round(time.perf_counter() - t0, 3),
+            # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
+            signatures={n: program_signature(ep) for n, ep in compiled.items()},
+        )
+
     try:
         with progress("capturing programs (torch.export)"):
             # only what the backend compiles: aoti-packed's one program is prefill's (T symbolic; it serves decode too)
-            eps = capture_programs(decoder, tuple(chosen.compiled({p.name: p for p in programs}).values()))
-            weights = _weights(eps)
+            wanted = tuple(chosen.compiled({p.name: p for p in programs}).values())
+            eps = chosen.capture(decoder, wanted)
+            if eps is None:  # the standard capture: the cache as inputs updated in place
+                eps = capture_programs(decoder, wanted)
+            weights = {} if chosen.packs_weights else _weights(eps)
         compiled = chosen.compiled(eps)  # compiled program name -> captured program
         with progress(chosen.compile_label):
+            if chosen.standalone:  # its own file (e.g. a .pte), the manifest inside; export_seconds: up to lowering
+                return chosen.export_file(path, manifest({}), compiled, decoder.cache_spec.torch_dtype, tokenizer_json)
             files = chosen.compile(compiled, decoder.cache_spec.torch_dtype)
     except KvtraceError:
         raise
@@ -253,17 +275,7 @@ def export(
             f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {one_line(e)}"
         ) from e
     unique, aliases = ({}, {}) if chosen.packs_weights else dedupe_weights(weights)  # packed: in the program
-    vocab = model.config.get_text_config(decoder=True).vocab_size if model is not None else _vocab(eps["prefill"])
-    manifest = dataclasses.replace(
-        make_manifest(backend, decoder, info, programs, vocab),
-        weight_aliases=aliases,
-        quant=qspec,
-        device=dev.type,
-        export_seconds=round(time.perf_counter() - t0, 3),
-        # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
-        signatures={n: program_signature(ep) for n, ep in compiled.items()},
-    )
-    return write_artifact(path, manifest, unique, files, tokenizer_json)
+    return write_artifact(path, manifest(aliases), unique, files, tokenizer_json)
 
 
 def make_manifest(backend: str, decoder: torch.nn.Module, info: ModelInfo, programs: tuple[ProgramSpec, ...],

@@ -10,7 +10,12 @@ Capabilities (fixed per backend; ``tests/backends`` holds each one against what 
   * ``packs_weights``: the weights are frozen into the program, so the artifact stores none;
   * ``one_program``: one program (T symbolic) serves prefill and decode; ``compiled`` maps the
     decoder's ProgramSpecs to the programs actually captured, compiled and signed;
-  * ``no_compile_cache``: compiled with Inductor's compile caches off (see ``aoti.EXPORT_NO_CACHE``).
+  * ``no_compile_cache``: compiled with Inductor's compile caches off (see ``aoti.EXPORT_NO_CACHE``);
+  * ``holds_state``: the programs hold the cache themselves, as mutable buffers initialized from the
+    CacheSpec; ``bind`` gives each Session its own program instance and the state tensors (views of those
+    buffers) the Session resets, snapshots and verify reads; programs are called without cache arguments;
+  * ``standalone``: the backend writes its own file format (e.g. ExecuTorch's ``.pte``), not a kvtrace zip:
+    ``export_file`` writes it, ``owns_file`` recognizes it and ``load_file`` reads it (manifest inside).
 
 Modules here import torch inside functions only: the registry (and the CLI's ``--backend`` choices)
 must not pull in torch.
@@ -27,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from kvtrace.spec.manifest import Manifest
+    from kvtrace.spec.program import ProgramSpec
 
 __all__ = ["Backend"]
 
@@ -45,6 +51,8 @@ class Backend:
     packs_weights: bool = False
     one_program: bool = False
     no_compile_cache: bool = False
+    holds_state: bool = False
+    standalone: bool = False
 
     # --- export ------------------------------------------------------------------------------------
     def compiled(self, programs: Mapping[str, T]) -> dict[str, T]:
@@ -54,6 +62,17 @@ class Backend:
 
     def check_programs(self, names: Sequence[str], model: str) -> None:
         """Raise UsageError, before any capture, if this backend cannot serve a decoder declaring ``names``."""
+
+    def program_specs(self, programs: tuple[ProgramSpec, ...], decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
+        """The ProgramSpecs this backend captures (and the manifest lists) for a decoder declaring ``programs``.
+        Default: as declared."""
+        return programs
+
+    def capture(self, decoder: torch.nn.Module,
+                programs: tuple[ProgramSpec, ...]) -> dict[str, torch.export.ExportedProgram] | None:
+        """ProgramSpec name -> captured program, for a backend that captures its own way; None (the default):
+        the standard capture, ``capture.export.capture_programs`` (the cache as inputs updated in place)."""
+        return None
 
     @property
     def compile_label(self) -> str:
@@ -80,4 +99,26 @@ class Backend:
 
         A program may also have ``fresh()``: another instance of itself with its own runtime state over the
         same weights (``aoti.CompiledProgram``); CUDA-graph capture takes one per graph when it exists."""
+        raise NotImplementedError
+
+    def bind(self, programs: dict[str, Program],
+             manifest: Manifest) -> tuple[dict[str, Program], list[torch.Tensor] | None]:
+        """What one new Session runs: (ProgramSpec name -> callable, its state tensors or None). Default: the
+        loaded programs, shared by every session, and None (the Session allocates its own cache from the
+        CacheSpec and passes it to every call); ``holds_state`` backends: a fresh program instance per session
+        and views of its buffers."""
+        return programs, None
+
+    # --- standalone file formats (``standalone``) ---------------------------------------------------------
+    def owns_file(self, path: Path) -> bool:
+        """Whether ``path`` is a file of this backend's own format (read a few bytes, import nothing heavy)."""
+        return False
+
+    def export_file(self, path: Path, manifest: Manifest, eps: dict[str, torch.export.ExportedProgram],
+                    dtype: torch.dtype, tokenizer_json: str | None) -> Path:
+        """Compile captured programs (keyed as ``compiled`` keys them) and write the file, manifest inside."""
+        raise NotImplementedError
+
+    def load_file(self, path: Path) -> tuple[Manifest, dict[str, Program], str | None]:
+        """(manifest, ProgramSpec name -> program for ``bind``, tokenizer JSON or None) of an owned file."""
         raise NotImplementedError

@@ -11,11 +11,12 @@ from kvtrace._errors import UsageError
 from kvtrace.backends.aoti import AOTI
 from kvtrace.backends.aoti_packed import AOTI_PACKED
 from kvtrace.backends.base import Backend
+from kvtrace.backends.executorch import EXECUTORCH
 from kvtrace.backends.exported import EXPORTED
 
 __all__ = ["Backend", "get", "names", "register", "unregister"]
 
-_BUILTIN = (EXPORTED, AOTI, AOTI_PACKED)  # in this order in help texts and error messages
+_BUILTIN = (EXPORTED, AOTI, AOTI_PACKED, EXECUTORCH)  # in this order in help texts and error messages
 _REGISTRY: dict[str, Backend] = {b.name: b for b in _BUILTIN}
 
 

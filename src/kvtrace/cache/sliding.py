@@ -46,7 +46,9 @@ def slot_positions(start: torch.Tensor, window: int) -> torch.Tensor:
     """The position each ring slot holds before a call starting at ``start`` (0-d int64) -> [W] int64,
     negative where the slot holds nothing yet."""
     last = start - 1
-    return last - torch.remainder(last - torch.arange(window, device=start.device), window)
+    # + window keeps the operand >= 0 (last >= -1): ExecuTorch 1.5's remainder kernel truncates negative
+    # integers toward zero (remainder(-1, 4) = -1, not 3), and an exported ring must mean the same there
+    return last - torch.remainder(last - torch.arange(window, device=start.device) + window, window)
 
 
 def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:

@@ -34,6 +34,7 @@ from torch import nn
 
 from kvtrace._errors import UnsupportedError
 from kvtrace.cache import attend
+from kvtrace.models import fused
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
 from kvtrace.models.registry import Family
@@ -98,6 +99,10 @@ def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     tokens/s at position 32 / 300 / 900): gather 47.0 / 42.6 / 35.7; one SDPA per KV head over contiguous
     per-head slices (no copy) 43.7 / 40.1 / 36.6; all max_seq_len slots with a mask 37.0 / - / 37.7.
     """
+    if not ring and layer.scales is None:  # a backend's own kernels, only while one substitutes them for a
+        o = fused.attention(q, k, v, input_pos, layer.k, layer.v, a.attention_scale)  # capture (models/fused.py)
+        if o is not None:
+            return o
     keys, values, ring_mask = attend.update(layer, ring, input_pos, k, v, key_pos)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask if ring_mask is None else ring_mask,
                                           scale=a.attention_scale, enable_gqa=True)  # [B, H, T, D]
@@ -151,6 +156,7 @@ class LlamaDecoder(Step):
     """A Llama-family Decoder whose weights come from an HF model (fused, stored once)."""
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
+    fused_attention = True  # every full layer's attention goes through cached_attention (models/fused.py)
 
     def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                  rope_long: tuple[torch.Tensor, torch.Tensor] | None = None):

@@ -160,6 +160,7 @@ class MllamaDecoder(nn.Module):
     """Llama 3.2 Vision text decoder as a Decoder with three programs (module docstring)."""
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
+    fused_attention = True  # self-attention layers go through llama.cached_attention (models/fused.py)
 
     def __init__(self, a: LlamaArgs, cross: tuple[int, ...], spec: CacheSpec, embed_rows: int,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor):

@@ -79,6 +79,7 @@ class ProgramSet:
     identity: str | None = None
     label: str = ""
     quant: Any = None  # the programs' quantized weights (spec.quant.QuantSpec), None: none
+    state: Sequence[torch.Tensor] | None = None  # the cache, when the programs hold it (Backend.holds_state)
 
 
 def eager_programs(decoder: torch.nn.Module, *, prefill_logits: str = "last", vocab_size: int | None = None,
@@ -114,13 +115,17 @@ class Session:
     ``cuda_graphs``: decode is served from CUDA graphs (``runtime.graphs``; a CUDA session), one per key_pos
     bucket (``graph_buckets``, default ``decode_buckets(max_seq_len)``); ``capturer`` replaces the CUDA
     capture (``EagerCapturer``: the same static buffers and buckets without graphs, on any device).
+    ``state``: the cache of programs that hold it themselves (``Backend.holds_state``, e.g. views of an
+    ExecuTorch program's mutable buffers), laid out as ``spec.buffers()``; the programs are then called
+    without cache arguments, and reset / rewind / snapshot / restore / ``state`` act on those tensors.
     """
 
     def __init__(self, spec: CacheSpec, prefill: Program, decode: Program, device: str | torch.device = "cpu",
                  vocab_size: int | None = None, extra: Mapping[str, tuple[ProgramSpec, Program]] | None = None,
                  prefill_logits: str = "all", key_pos: bool = False, identity: str | None = None,
                  cuda_graphs: bool = False, capturer: Capturer | None = None,
-                 graph_buckets: Sequence[int] | None = None, quant: Any = None):
+                 graph_buckets: Sequence[int] | None = None, quant: Any = None,
+                 state: Sequence[torch.Tensor] | None = None):
         self.spec = spec
         self.quant = quant  # the programs' quantized weights (spec.quant.QuantSpec), None: none; verify reads it
         self.identity = identity if identity is not None else f"programs:{id(prefill):x}:{id(decode):x}"
@@ -133,7 +138,11 @@ class Session:
         self._extra = dict(extra or {})  # name -> (spec, program), programs taking named inputs
         self._vocab = vocab_size  # when known, token ids are checked against it before a program runs
         self._device = torch.device(device)  # where the state lives, and so every tensor a program gets
-        self._state = spec.allocate(self._device)  # [B, H_kv, S, D] per k/v buffer, then extras; never reallocated
+        self._held = state is not None  # the programs hold the cache; they take no cache arguments
+        # [B, H_kv, S, D] per k/v buffer, then extras; never reallocated
+        self._state = list(state) if state is not None else spec.allocate(self._device)
+        if self._held:
+            _check_state(spec, self._state)
         self._pos = 0
         self._filled: set[str] = set()  # `once` programs run since reset()
         self._graphs = self._graph_decode(cuda_graphs, capturer, graph_buckets)
@@ -175,7 +184,8 @@ class Session:
         (``cuda_graphs`` / ``capturer``: as for the constructor)."""
         s = cls(programs.spec, programs.prefill, programs.decode, device=device, vocab_size=programs.vocab_size,
                 extra=programs.extra, prefill_logits=programs.prefill_logits, key_pos=programs.key_pos,
-                identity=programs.identity, cuda_graphs=cuda_graphs, capturer=capturer, quant=programs.quant)
+                identity=programs.identity, cuda_graphs=cuda_graphs, capturer=capturer, quant=programs.quant,
+                state=programs.state)
         s.label = programs.label
         return s
 
@@ -196,6 +206,10 @@ class Session:
             if self._graphs is not None:
                 raise UsageError(f"{what} refused: this session decodes from captured graphs of its programs "
                                  "(cuda_graphs=True); start a new session on the new programs instead")
+            if self._held or programs.state is not None:
+                raise UsageError(f"{what} refused: {'these' if self._held else 'those'} programs hold their own "
+                                 "cache (e.g. an ExecuTorch program's buffers), so the session's cache cannot carry "
+                                 "over; start a new session on the new programs instead")
             if programs.spec != self.spec:
                 raise UsageError(
                     f"{what} refused: they declare the cache {programs.spec.describe()}, this session holds "
@@ -343,7 +357,8 @@ class Session:
         else:  # positions made on the device from host ints: kernel arguments, no copy
             input_pos = torch.arange(self._pos, end, dtype=torch.int64, device=dev)  # [T] absolute positions
             keys = (torch.arange(end, dtype=torch.int64, device=dev),) if key_pos else ()  # [L]: the live prefix
-            logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *self._state)
+            cache = () if self._held else self._state  # programs holding their cache take none
+            logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *cache)
         self._pos = end
         return logits
 
@@ -435,6 +450,18 @@ class Session:
             dst.copy_(src)
         self._pos = snap.position
         self._filled = set(snap.filled)
+
+
+def _check_state(spec: CacheSpec, state: list[torch.Tensor]) -> None:
+    """State handed in by a program that holds it: one tensor per declared buffer, of its shape and dtype."""
+    bufs = spec.buffers()
+    if len(state) != len(bufs):
+        raise UsageError(f"a Session over programs holding their cache needs {len(bufs)} state tensors (the "
+                         f"CacheSpec's buffers), got {len(state)}")
+    for b, t in zip(bufs, state, strict=True):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != b.shape or t.dtype != b.torch_dtype:
+            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise UsageError(f"state tensor for {b.name} is {got}; the CacheSpec declares {b.dtype} {list(b.shape)}")
 
 
 def _as_tokens(tokens: Any, what: str) -> torch.Tensor:

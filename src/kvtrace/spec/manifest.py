@@ -212,8 +212,10 @@ def _check_fields(d: dict[str, Any]) -> None:
 
 
 # --- consistency: manifest (CacheSpec, ProgramSpecs) vs what each program takes -------------------
-def expected_inputs(manifest: Manifest, program: ProgramSpec) -> list[tuple[str, tuple[int | str, ...], str]]:
-    """(label, shape, dtype) of each flat user input the manifest says ``program`` takes; "T"/"L" symbolic."""
+def expected_inputs(manifest: Manifest, program: ProgramSpec,
+                    cache: bool = True) -> list[tuple[str, tuple[int | str, ...], str]]:
+    """(label, shape, dtype) of each flat user input the manifest says ``program`` takes; "T"/"L" symbolic.
+    ``cache`` False: a program holding its cache itself (``Backend.holds_state``) takes no cache inputs."""
     spec = manifest.cache_spec
     b = spec.batch_size
     t: int | str = 1 if program.single_token else ("T" if spec.max_seq_len > 1 else 1)
@@ -222,7 +224,8 @@ def expected_inputs(manifest: Manifest, program: ProgramSpec) -> list[tuple[str,
         out.append(("key_pos", ("L",), "int64"))
     for i in program.inputs:
         out.append((i.name, tuple(b if d == "B" else t if d == "T" else d for d in i.shape), i.dtype))
-    out.extend((f"cache {buf.name}", buf.shape, buf.dtype) for buf in spec.buffers())
+    if cache:
+        out.extend((f"cache {buf.name}", buf.shape, buf.dtype) for buf in spec.buffers())
     return out
 
 

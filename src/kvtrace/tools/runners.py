@@ -134,6 +134,20 @@ class SessionRunner:
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         return self.session.decode(token)
 
+    def initial_state_error(self) -> str:
+        """"" when every state buffer holds exactly its declared initial value (``BufferSpec.init``), else
+        which one does not and where: a cache whose initial values were lost (an exporter that treats mutated
+        buffers as uninitialized), or a reset that did not restore them."""
+        spec = self.session.spec
+        for b, t in zip(spec.buffers(), self.session.state, strict=True):
+            off = t != b.init
+            if bool(off.any()):
+                at = [int(i) for i in off.nonzero()[0]]
+                return (f"cache buffer {b.name} holds {t[tuple(at)].item():g} at {at} where the "
+                        f"CacheSpec declares {b.init:g} everywhere (its initial value was lost, or reset() did "
+                        "not restore it)")
+        return ""
+
     def cache(self) -> list[LayerKV]:
         """Self-attention layers: the first P positions; cross-attention layers: all N slots once a
         program that fills them (e.g. prefill_image) ran, else None. int8 layers: those slots dequantized."""

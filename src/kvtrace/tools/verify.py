@@ -7,7 +7,10 @@ decode, and ``cache()`` — the valid part of every layer's K and V: ``[B, H_kv,
 nothing (a cross-attention layer in a text-only run, as eager leaves it). The harness feeds the reference's
 greedy token to every runner (teacher forcing), so one early error cannot hide later ones, and
 records per step: logits max abs / max rel error, top-1 agreement, and per layer the max abs
-error of K and V. Pass/fail uses the per-dtype tolerances of ``kvtrace.spec.tolerances``; a NaN anywhere fails.
+error of K and V. A candidate whose declared state (an artifact Session's cache) does not hold exactly
+its declared initial values as it comes (before the first prompt: what a fresh program starts from) and
+after each reset fails that prompt's prefill row (the seed's bug: an exporter that dropped a cache's
+initial values). Pass/fail uses the per-dtype tolerances of ``kvtrace.spec.tolerances``; a NaN anywhere fails.
 For bf16/fp16, an optional fp32 reference (the same weights upcast, fed the same tokens) gives the
 second route of ``kvtrace.spec.tolerances``: a candidate further from eager than the tolerance still passes a
 tensor if it is no further from fp32 than eager itself is (+ tolerance); rows record both errors.
@@ -272,12 +275,18 @@ def verify(
             if fp32 is not None:
                 fp32.reset()
             broken: dict[int, str] = {}  # candidate index -> why it is skipped for the rest of this prompt
+            initial: dict[int, str] = {}  # candidate index -> how its state differs from the declared initial one
             for c_idx, c in enumerate(candidates):
                 if isinstance(c, Unavailable):
                     broken[c_idx] = f"not run: {c.reason}"
                     continue
                 try:
+                    check = getattr(c, "initial_state_error", None)  # runners holding declared state
+                    # the first prompt: the state as the candidate came (a fresh program's own initial values,
+                    # which a runtime without kvtrace's reset starts from), then after reset(), every prompt
+                    fresh = check() if check is not None and p_idx == 0 else ""
                     c.reset()
+                    initial[c_idx] = fresh or (check() if check is not None else "")
                 except Exception as e:
                     broken[c_idx] = f"reset() {_describe(e)}"
             ref_logits = reference.prefill(ids, **inputs)
@@ -308,6 +317,9 @@ def verify(
                     except Exception as e:
                         row = _error_row(c.name, p_idx, step, pos, n_layers, _describe(e))
                         broken[c_idx] = f"skipped: {_describe(e)} at step {step}"
+                    if s == 0 and initial.get(c_idx):  # the state it started from was not the declared one
+                        row = dataclasses.replace(row, passed=False,
+                                                  failure="; ".join(filter(None, (row.failure, initial[c_idx]))))
                     report.rows.append(row)
     if reference.name != "eager":
         report.rows = [dataclasses.replace(r, reference=reference.name) for r in report.rows]

@@ -1,0 +1,496 @@
+"""Backend "executorch": one ExecuTorch program (``.pte``) whose KV cache is initialized mutable state.
+
+``kvtrace export SOURCE --backend executorch -o model.pte`` writes ``model.pte`` and, when the source has a
+tokenizer and the output is named ``*.pte``, ``model.tokenizer.json`` next to it (the file ExecuTorch's runners take as ``tokenizer_path``;
+the same tokenizer is also inside the .pte for kvtrace). Loading needs ``executorch`` and kvtrace only
+(``pip install 'kvtrace[executorch]'``): no transformers, no torch.export deserialization.
+
+The program, as ExecuTorch's LLM runner (``executorch.extension.llm.runner.TextLLMRunner``) expects it::
+
+    forward(tokens [B, T] int64, input_pos [T] int64) -> logits [B, T or 1, V]   T symbolic in 1..max_seq_len
+    prefill_image(tokens, input_pos, cross_attention_states, cross_attention_mask)   vision decoders only
+    get_max_seq_len, get_max_context_len, get_vocab_size, get_bos_id, get_eos_ids, get_n_layers,
+    use_kv_cache, use_sdpa_with_kv_cache, enable_dynamic_shape     constant metadata methods
+    kvtrace_manifest, kvtrace_state, kvtrace_tokenizer              kvtrace's own records (JSON strings)
+
+One method serves prefill and decode (``one_program``), as ExecuTorch's own exports do; kvtrace's Session
+calls it for both. Positions are inputs; ``input_pos`` holds consecutive positions (the runner and the
+Session pass ``start .. start+T-1``).
+
+The cache. Every buffer of the CacheSpec is a mutable buffer of the program (``state_<i>``, in
+``spec.buffers()`` order) holding its declared initial value: it is marked ``et_init_buffer`` by its name
+from the CacheSpec — not by a name pattern — so the .pte serializes that value and the runtime starts
+from it (unmarked, ExecuTorch treats a mutated buffer's initial contents as meaningless: the seed bug).
+All methods share the buffers (ExecuTorch's ``share_mutable_buffers``) when there are several. Full
+attention layers of decoders that route them through ``llama.cached_attention`` (``fused_attention``) are
+served by ExecuTorch's own kernels (``models/fused.py``): ``llama::update_cache`` writes the call's K/V at
+``input_pos[0]`` and ``llama::custom_sdpa`` attends over the live prefix only, both on a sequence-major
+buffer ``[B, S, H_kv, D]``; every other buffer keeps the declared layout ``[B, H_kv, S, D]``. Linear
+layers and the rest run in XNNPACK.
+
+A Session gets its own program instance (``bind``: ExecuTorch allocates each loaded program's buffers)
+and, as its state, views of that instance's buffers in the declared layout (``Method.get_attribute`` hands
+them out without a copy): reset, rewind, snapshot, restore and verify read and write the program's own
+cache, nothing else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from kvtrace._errors import ArtifactError, CaptureError, UsageError
+from kvtrace.backends.base import Backend, Program
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from kvtrace.spec.cache import CacheSpec
+    from kvtrace.spec.manifest import Manifest
+    from kvtrace.spec.program import ProgramSpec
+
+__all__ = ["EXECUTORCH", "EXTRA", "FORWARD", "ExecuTorchBackend", "is_pte", "metadata", "require"]
+
+T = TypeVar("T")
+EXTRA = "executorch"  # the pyproject extra that installs it
+FORWARD = "forward"  # the method serving prefill and decode (ExecuTorch's runners call "forward")
+MANIFEST_METHOD, STATE_METHOD, TOKENIZER_METHOD = "kvtrace_manifest", "kvtrace_state", "kvtrace_tokenizer"
+_MAGIC_OFFSET, _MAGIC = 4, b"ET12"  # the flatbuffer file identifier of an ExecuTorch program
+SEQ_MAJOR = [0, 2, 1, 3]  # [B, S, H_kv, D] <-> [B, H_kv, S, D]
+
+
+def is_pte(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is an ExecuTorch program file (its file identifier; nothing imported)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_MAGIC_OFFSET + len(_MAGIC))
+    except OSError:
+        return False
+    return head[_MAGIC_OFFSET:] == _MAGIC
+
+
+def require() -> None:
+    """Import ExecuTorch (and its LLM custom ops), or raise UsageError naming the extra to install."""
+    try:
+        import executorch  # noqa: F401
+        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers torch.ops.llama.*)
+    except ImportError as e:
+        raise UsageError(f"the executorch backend needs ExecuTorch ({e}); install it with "
+                         f"pip install 'kvtrace[{EXTRA}]' (executorch 1.5.x, with torch 2.13)") from e
+
+
+def metadata(manifest: Manifest, fused: bool) -> dict[str, Any]:
+    """The constant methods ExecuTorch's LLM runners read (names as ``extension/llm/runner/constants.h`` and
+    ``export_llm`` spell them)."""
+    spec = manifest.cache_spec
+    out: dict[str, Any] = {
+        "get_max_seq_len": spec.max_seq_len,
+        "get_max_context_len": spec.max_seq_len,
+        "get_vocab_size": manifest.vocab_size,
+        "get_n_layers": len(spec.layers),
+        "use_kv_cache": True,
+        "use_sdpa_with_kv_cache": fused,
+        "enable_dynamic_shape": not manifest.programs["prefill"].single_token,
+        "get_n_bos": 0,  # kvtrace's prompts (chat template or tokenizer) carry their own BOS
+        "get_n_eos": 0,
+    }
+    if manifest.bos_id is not None:
+        out["get_bos_id"] = int(manifest.bos_id)
+    if manifest.eos_ids:
+        out["get_eos_ids"] = [int(i) for i in manifest.eos_ids]
+    return out
+
+
+# --- capture: the decoder's method over its cache held as initialized buffers ---------------------------
+def _stateful_module(method: torch.nn.Module, spec: CacheSpec, seq_major: tuple[bool, ...]) -> torch.nn.Module:
+    """The module one program is captured from (its class is made here: this module imports no torch)."""
+    import torch
+
+    from kvtrace.models import fused
+
+    class Stateful(torch.nn.Module):
+        """``forward(tokens [B, T], input_pos [T], *inputs)``: ``method`` over the buffers ``state_<i>``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.method = method  # the decoder (or its alias for one program): its weights, shared by name
+            for i, (b, sm) in enumerate(zip(spec.buffers(), seq_major, strict=True)):
+                t = b.allocate()  # the declared initial value
+                self.register_buffer(f"state_{i}", t.permute(SEQ_MAJOR).contiguous() if sm else t)
+
+        def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+            bufs = [getattr(self, f"state_{i}") for i in range(len(seq_major))]
+            views = [b.permute(SEQ_MAJOR) if sm else b for b, sm in zip(bufs, seq_major, strict=True)]  # declared
+            if not any(seq_major):
+                return self.method(tokens, input_pos, *inputs, *views)
+            # ExecuTorch's kernels take the call's first position as a size (its runners' convention);
+            # positions stay an input: nothing about them is baked into the program.
+            start = input_pos[0].item()
+            torch._check_is_size(start)
+            torch._check(start + tokens.shape[1] <= spec.max_seq_len)
+            physical = {id(v): b for v, b, sm in zip(views, bufs, seq_major, strict=True) if sm}
+            with fused.substituted(lambda *a: _custom_attention(start, physical, *a)):
+                return self.method(tokens, input_pos, *inputs, *views)
+
+    return Stateful()
+
+
+def _custom_attention(start: Any, physical: dict[int, torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, input_pos: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      scale: float | None) -> torch.Tensor | None:
+    """ExecuTorch's fused cache write + SDPA over the live prefix, on the sequence-major buffers behind
+    ``k_cache``/``v_cache`` (None for any other cache). q [B, H, T, D], k/v [B, H_kv, T, D] -> [B, H, T, D]."""
+    import torch
+
+    kc, vc = physical.get(id(k_cache)), physical.get(id(v_cache))  # [B, S, H_kv, D]
+    if kc is None or vc is None:
+        return None
+    torch.ops.llama.update_cache(k.transpose(1, 2), kc, start)  # slots start .. start+T-1
+    torch.ops.llama.update_cache(v.transpose(1, 2), vc, start)
+    o = torch.ops.llama.custom_sdpa(q.transpose(1, 2), kc, vc, start, None, 0.0, True, scale)  # [B, T, H, D]
+    return o.transpose(1, 2)
+
+
+def _seq_major(decoder: torch.nn.Module, spec: CacheSpec) -> tuple[bool, ...]:
+    """Per buffer: held sequence-major for ExecuTorch's kernels (full layers' K/V of a ``fused_attention``
+    decoder in the cache's own dtype), or in the declared layout."""
+    from kvtrace.spec.cache import LayerKind
+
+    out = [False] * len(spec.buffers())
+    if getattr(type(decoder), "fused_attention", False) and spec.kv_dtype is None and spec.max_seq_len > 1:
+        for i, layer in enumerate(spec.layers):
+            if layer.kind is LayerKind.FULL:
+                out[2 * i] = out[2 * i + 1] = True
+    return tuple(out)
+
+
+# --- the backend ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExecuTorchBackend(Backend):
+    # False only to plant the seed's fault in tests: the buffers' declared initial values are not serialized
+    initialize_state: bool = True
+
+    @property
+    def compile_label(self) -> str:
+        return f"lowering to ExecuTorch with XNNPACK ({self.name})"
+
+    def compiled(self, programs: Mapping[str, T]) -> dict[str, T]:
+        # prefill's program (T symbolic) is "forward" and serves decode too; others (prefill_image) by name
+        return {FORWARD: programs["prefill"], **{n: p for n, p in programs.items() if n not in ("prefill", "decode")}}
+
+    def program_specs(self, programs: tuple[ProgramSpec, ...], decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
+        """Without ``key_pos``: ExecuTorch's runners pass tokens and positions only, and the fused kernels
+        attend to the live prefix from the first position; ``forward_live`` programs become ``forward``."""
+        require()
+        return tuple(dataclasses.replace(p, key_pos=False, method="forward" if p.method == "forward_live" else p.method)
+                     for p in programs)
+
+    def capture(self, decoder: torch.nn.Module,
+                programs: tuple[ProgramSpec, ...]) -> dict[str, torch.export.ExportedProgram]:
+        import torch
+        from torch.export import Dim
+
+        from kvtrace.capture.export import _dynamic_shapes, _example_input, _method_module
+        from kvtrace.capture.preserve import preserved
+
+        spec = decoder.cache_spec
+        seq_major = _seq_major(decoder, spec)
+        eps = {}
+        for p in programs:
+            t = 1 if p.single_token or spec.max_seq_len < 2 else min(3, spec.max_seq_len)
+            args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t),
+                    *(_example_input(i, spec.batch_size, t) for i in p.inputs))
+            module = _stateful_module(_method_module(decoder, p), spec, seq_major)
+            shapes = (_dynamic_shapes(module, args, p, Dim("T", min=1, max=spec.max_seq_len), None)
+                      if t > 1 else None)
+            with torch.no_grad(), preserved(decoder, what=f"the model ({type(decoder).__name__})"):
+                eps[p.name] = torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
+        return eps
+
+    def members(self, programs: Iterable[str]) -> set[str]:
+        return set()  # never inside a kvtrace zip: the .pte is the file
+
+    # --- export -----------------------------------------------------------------------------------------
+    def export_file(self, path: Path, manifest: Manifest, eps: dict[str, torch.export.ExportedProgram],
+                    dtype: torch.dtype, tokenizer_json: str | None) -> Path:
+        require()
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+        from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+        from executorch.exir.passes import MemoryPlanningPass
+
+        spec = manifest.cache_spec
+        state = [{"name": b.name, "fqn": f"state_{i}", "seq_major": _is_seq_major(ep_shape(eps, i), b.shape)}
+                 for i, b in enumerate(spec.buffers())]
+        fused = any(s["seq_major"] for s in state)
+        consts = {**metadata(manifest, fused), MANIFEST_METHOD: manifest.to_json(), STATE_METHOD: json.dumps(state)}
+        if tokenizer_json is not None:
+            consts[TOKENIZER_METHOD] = tokenizer_json
+        eps = {name: _delegable_norms(ep) for name, ep in eps.items()}
+        with _lean_xnnpack_passes():
+            edge = to_edge_transform_and_lower(eps, partitioner=[XnnpackPartitioner()], constant_methods=consts)
+        fqns = {s["fqn"] for s in state}
+        for name in eps:
+            ep = edge.exported_program(name)
+            to_buffer = ep.graph_signature.inputs_to_buffers
+            marked = set()
+            for node in ep.graph.nodes:  # the CacheSpec's buffers, by the name each was registered under
+                if node.op == "placeholder" and to_buffer.get(node.target) in fqns:
+                    node.meta["et_init_buffer"] = self.initialize_state
+                    marked.add(to_buffer[node.target])
+            if marked != fqns:
+                raise CaptureError(f"ExecuTorch program {name} lacks cache buffers {sorted(fqns - marked)} of the "
+                                   "CacheSpec; every program must take the whole cache")
+        config = ExecutorchBackendConfig(
+            emit_mutable_buffer_names=True,  # Method.get_attribute(name): the Session's views of its cache
+            run_reinplace_pass=True,  # a functional index_put on a buffer written in place, not copied
+            memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(eps) > 1),
+        )
+        blob = edge.to_executorch(config).buffer
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomic(path, blob)
+        if tokenizer_json is not None and path.suffix == ".pte":  # for ExecuTorch's runners; any other name
+            _write_atomic(tokenizer_path(path), tokenizer_json.encode())  # (kvtrace's caches) carries it inside only
+        return path
+
+    # --- load -------------------------------------------------------------------------------------------
+    def owns_file(self, path: Path) -> bool:
+        return is_pte(path)
+
+    def load_file(self, path: Path) -> tuple[Manifest, dict[str, Program], str | None]:
+        require()
+        blob = path.read_bytes()
+        pte = _Pte(path, blob)
+        manifest, tokenizer_json = pte.read_records()
+        if manifest.backend not in _registered_names():
+            raise ArtifactError(f"{path}: written by kvtrace's {manifest.backend!r} backend, which is not registered "
+                                "here; re-export it with --backend executorch")
+        pte.check(manifest)
+        return manifest, {p: pte for p in manifest.programs}, tokenizer_json
+
+    def bind(self, programs: dict[str, Program],
+             manifest: Manifest) -> tuple[dict[str, Program], list[torch.Tensor] | None]:
+        pte = next(iter(programs.values()))
+        assert isinstance(pte, _Pte), "executorch programs come from load_file"
+        return pte.instance(manifest)
+
+
+# XNNPACK's delegate runs every pass below on every partition (tens of partitions per model, each pass a
+# re-trace); these rewrite patterns a decoder never has (convolutions, batch norm, bilinear upsampling,
+# PReLU, quantized padding, an SDPA written out) and building their pattern graphs alone costs seconds.
+_UNNEEDED_XNNPACK_PASSES = {"ConvertToUpsampleBilinear2d", "ConvertToSDPAPass", "FuseBatchNormPass",
+                            "DecomposeBatchNorm", "InsertPadQDQPass", "Conv1dUnsqueezePass", "PReLUReshapePass"}
+
+
+@contextmanager
+def _lean_xnnpack_passes() -> Iterator[None]:
+    """XNNPACK's default pass list without ``_UNNEEDED_XNNPACK_PASSES``, for one lowering."""
+    from executorch.backends.xnnpack import _passes
+
+    manager = getattr(_passes, "XNNPACKPassManager", None)
+    init = getattr(manager, "__init__", None)
+    if init is None:  # another ExecuTorch layout: lower with its defaults
+        yield
+        return
+
+    def lean(self: Any, exported_program: Any, passes: Any = None) -> None:
+        init(self, exported_program, passes)
+        if not passes:
+            self.passes = [p for p in self.passes if p.__name__ not in _UNNEEDED_XNNPACK_PASSES]
+
+    manager.__init__ = lean
+    try:
+        yield
+    finally:
+        manager.__init__ = init
+
+
+def _delegable_norms(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``mean(x [B, T, C], -1, keepdim)`` (an RMSNorm's) as ``mean(x [B, T, C, 1], [2, 3], keepdim)``: the same
+    values, in the one form XNNPACK takes (a 4-D mean over the two innermost dims), so a norm no longer
+    splits a layer's delegated graph in two."""
+    import torch
+
+    aten = torch.ops.aten
+    graph, changed = ep.graph, False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not aten.mean.dim or node.kwargs.get("dtype") is not None:
+            continue
+        x, dims = node.args[0], node.args[1]
+        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if val is None or val.dim() != 3 or list(dims) not in ([-1], [2]) or not keep:
+            continue
+        with graph.inserting_before(node):
+            up = graph.call_function(aten.unsqueeze.default, (x, -1))  # [B, T, C, 1]
+            mean = graph.call_function(aten.mean.dim, (up, [2, 3], True))  # [B, T, 1, 1]
+            down = graph.call_function(aten.squeeze.dims, (mean, [-1]))  # [B, T, 1]
+        up.meta["val"], mean.meta["val"] = val.unsqueeze(-1), node.meta["val"].unsqueeze(-1)
+        down.meta["val"] = node.meta["val"]
+        node.replace_all_uses_with(down)
+        graph.erase_node(node)
+        changed = True
+    if changed:
+        ep.graph_module.recompile()
+    return ep
+
+
+def _registered_names() -> tuple[str, ...]:
+    from kvtrace.backends import registry
+
+    return registry.names()
+
+
+def ep_shape(eps: dict[str, torch.export.ExportedProgram], i: int) -> tuple[int, ...]:
+    """The shape of buffer ``state_<i>`` as the programs hold it."""
+    ep = next(iter(eps.values()))
+    return tuple(ep.state_dict[f"state_{i}"].shape)
+
+
+def _is_seq_major(held: tuple[int, ...], declared: tuple[int, ...]) -> bool:
+    if held == declared:
+        return False
+    if len(declared) == 4 and held == tuple(declared[d] for d in SEQ_MAJOR):
+        return True
+    raise CaptureError(f"a cache buffer is held as {list(held)}, declared {list(declared)}")
+
+
+def tokenizer_path(pte: str | os.PathLike[str]) -> Path:
+    """The tokenizer written next to a .pte: ``model.pte`` -> ``model.tokenizer.json``."""
+    p = Path(pte)
+    return p.with_name(f"{p.stem}.tokenizer.json")
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class _Pte:
+    """A loaded .pte's bytes; ``instance`` loads one program from them per Session (its own buffers)."""
+
+    def __init__(self, path: Path, blob: bytes):
+        from executorch.runtime import Runtime
+
+        self.path, self.blob = path, blob
+        try:
+            self.program = Runtime.get().load_program(blob)  # the first instance: records and checks
+        except Exception as e:
+            raise ArtifactError(f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e}); re-export it"
+                                ) from e
+        self.state: list[dict[str, Any]] = []
+
+    def _const(self, name: str) -> Any:
+        if name not in self.program.method_names:
+            return None
+        (value,) = self.program.load_method(name).execute([])
+        return value
+
+    def read_records(self) -> tuple[Manifest, str | None]:
+        from kvtrace.spec.manifest import Manifest
+
+        text = self._const(MANIFEST_METHOD)
+        if not isinstance(text, str):
+            raise ArtifactError(f"{self.path} is an ExecuTorch program without kvtrace's manifest (method "
+                                f"{MANIFEST_METHOD}); run it with ExecuTorch's runners, or export it with "
+                                "`kvtrace export --backend executorch`")
+        manifest = Manifest.from_json(text)
+        try:
+            self.state = json.loads(self._const(STATE_METHOD) or "null")
+        except (TypeError, ValueError) as e:
+            raise ArtifactError(f"{self.path}: {STATE_METHOD} is not JSON ({e}); re-export it") from e
+        tok = self._const(TOKENIZER_METHOD)
+        return manifest, tok if isinstance(tok, str) else None
+
+    def check(self, manifest: Manifest) -> None:
+        """Methods, their inputs and logits, and every cache buffer against the manifest's specs."""
+        from kvtrace.spec.manifest import compare_inputs, expected_inputs
+
+        bufs = manifest.cache_spec.buffers()
+        ok = isinstance(self.state, list) and len(self.state) == len(bufs) and all(
+            isinstance(s, dict) and s.get("name") == b.name and isinstance(s.get("fqn"), str)
+            and isinstance(s.get("seq_major"), bool) for s, b in zip(self.state, bufs, strict=False))
+        if not ok:
+            raise ArtifactError(f"{self.path}: its cache record ({STATE_METHOD}) does not list the CacheSpec's "
+                                f"{len(bufs)} buffers; the file is inconsistent, re-export it")
+        dtypes = _dtype_names()
+        for name, program in EXECUTORCH.compiled(manifest.programs).items():
+            if name not in self.program.method_names:
+                raise ArtifactError(f"{self.path} has no method {name!r} (methods: {sorted(self.program.method_names)})"
+                                    "; the file is inconsistent, re-export it")
+            meta = self.program.metadata(name)
+            actual = [(tuple(info.sizes()), dtypes.get(info.dtype(), str(info.dtype())))
+                      for info in map(meta.input_tensor_meta, range(meta.num_inputs()))]
+            expected = expected_inputs(manifest, program, cache=False)
+            compare_inputs(self.path, f"method {name}", expected, _loose(expected, actual))
+            out = meta.output_tensor_meta(0).sizes()
+            if meta.num_outputs() != 1 or out[-1] != manifest.vocab_size:
+                raise ArtifactError(f"{self.path}: method {name} returns {list(out)} logits, the manifest declares "
+                                    f"vocab_size {manifest.vocab_size}; the file is inconsistent, re-export it")
+
+    def instance(self, manifest: Manifest) -> tuple[dict[str, Program], list[torch.Tensor]]:
+        """A fresh program (its own buffers, holding their initial values) -> callables and state views."""
+        from executorch.runtime import Runtime
+
+        program = Runtime.get().load_program(self.blob)
+        methods = {name: program.load_method(name) for name in EXECUTORCH.compiled(manifest.programs)}
+        first = next(iter(methods.values()))._method
+        state = []
+        for s, b in zip(self.state, manifest.cache_spec.buffers(), strict=True):
+            t = first.get_attribute(s["fqn"])  # the buffer itself, no copy
+            view = t.permute(SEQ_MAJOR) if s["seq_major"] else t
+            if tuple(view.shape) != b.shape or view.dtype != b.torch_dtype:
+                raise ArtifactError(f"{self.path}: cache buffer {b.name} is {view.dtype} {list(view.shape)} in the "
+                                    f"program, the CacheSpec declares {b.dtype} {list(b.shape)}; re-export it")
+            state.append(view)
+        runners = {name: _runner(m, program) for name, m in methods.items()}
+        served = {p: runners[FORWARD if p in ("prefill", "decode") else p] for p in manifest.programs}
+        return served, state
+
+
+def _loose(expected: list[tuple[str, tuple[Any, ...], str]],
+           actual: list[tuple[tuple[Any, ...], str]]) -> list[tuple[tuple[Any, ...], str]]:
+    """ExecuTorch reports a dynamic size by its upper bound: where the manifest says "T", accept any size."""
+    out = []
+    for (_, shape, _), (ashape, adtype) in zip(expected, actual, strict=False):
+        if len(shape) == len(ashape):
+            ashape = tuple("T" if e == "T" else a for e, a in zip(shape, ashape, strict=True))
+        out.append((ashape, adtype))
+    return out + list(actual[len(expected):])
+
+
+def _dtype_names() -> dict[int, str]:
+    """ExecuTorch's ScalarType codes (as torch's) -> dtype names."""
+    return {0: "uint8", 1: "int8", 2: "int16", 3: "int32", 4: "int64", 5: "float16", 6: "float32", 7: "float64",
+            11: "bool", 15: "bfloat16"}
+
+
+def _runner(method: Any, keepalive: Any) -> Callable[..., torch.Tensor]:
+    """A Decoder program over one method: (tokens, input_pos, *inputs) -> logits (the cache is inside)."""
+
+    def run(*flat: torch.Tensor) -> torch.Tensor:
+        (logits,) = method.execute(list(flat))
+        return logits
+
+    run.program = keepalive  # the buffers live as long as the program object
+    return run
+
+
+EXECUTORCH = ExecuTorchBackend(
+    "executorch", "an ExecuTorch .pte (XNNPACK; the cache as initialized mutable buffers; runs in ExecuTorch's "
+    "LLM runner)", packs_weights=True, one_program=True, holds_state=True, standalone=True)

@@ -1,0 +1,259 @@
+"""Backend "executorch": a .pte whose KV cache is the CacheSpec's buffers as initialized mutable state.
+
+Exports (tiny random models, tens of seconds to minutes each on a shared 2-core machine) are ``compile``-marked
+and shared per module. What is checked: logits and every cache layer vs eager after prefill and every token
+on two prompts with a reset (Llama with a non-zero declared initial value, Qwen2, Qwen3, the vision decoder
+with an image prompt); the Session API over the program's own buffers; the planted fault (the buffers
+exported without their initial values) failing verify; ExecuTorch's own TextLLMRunner streaming the same
+greedy tokens as eager; loading without transformers; a clear error when ExecuTorch is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtrace
+from conftest import TINY, image_features, tiny_mllama, tiny_model
+from kvtrace._errors import UsageError
+from kvtrace.backends import registry
+from kvtrace.backends.executorch import EXECUTORCH, is_pte, tokenizer_path
+from kvtrace.tools.runners import DecoderRunner, EagerRunner, Prompt, SessionRunner
+
+pytest.importorskip("executorch", reason="the executorch extra (pip install 'kvtrace[executorch]')")
+
+PROMPTS = [[5, 7, 9, 11, 13], [3, 4, 5]]
+KV_INIT = -1.0  # a declared initial value the runtime's zero-filled memory would not give by accident
+
+
+# --- no export ---------------------------------------------------------------------------------------------
+def test_capabilities():
+    b = registry.get("executorch")
+    assert b is EXECUTORCH
+    assert b.holds_state and b.standalone and b.one_program and b.packs_weights and not b.native_code
+    assert b.compiled({"prefill": 1, "decode": 2, "prefill_image": 3}) == {"forward": 1, "prefill_image": 3}
+    assert b.members(["prefill", "decode"]) == set()
+
+
+def test_missing_executorch_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "executorch", None)  # import executorch -> ImportError
+    with pytest.raises(UsageError, match=r"pip install 'kvtrace\[executorch\]'") as e:
+        kvtrace.export(tiny_model("llama"), tmp_path / "m.pte", max_seq_len=16, backend="executorch")
+    assert "\n" not in str(e.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_importing_kvtrace_and_the_registry_imports_no_executorch():
+    code = ("import sys, kvtrace; from kvtrace.backends import registry; registry.get('executorch'); "
+            "print('executorch' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+
+
+# --- exports, shared per module ----------------------------------------------------------------------------
+def _llama_decoder():
+    """A tiny Llama decoder whose CacheSpec declares K/V initial value -1 (not what zeroed memory holds)."""
+    from kvtrace.models.registry import make_decoder
+
+    dec = make_decoder(tiny_model("llama"), max_seq_len=32, batch_size=1)
+    dec.cache_spec = dataclasses.replace(dec.cache_spec, kv_init=KV_INIT)
+    return dec
+
+
+@pytest.fixture(scope="module")
+def llama_pte(tmp_path_factory):
+    dec = _llama_decoder()
+    path = kvtrace.export(dec, tmp_path_factory.mktemp("et") / "llama.pte", backend="executorch",
+                          prefill_logits="last")
+    return dec, path
+
+
+@pytest.mark.compile
+def test_llama_pte_is_an_executorch_program_with_initialized_cache(llama_pte):
+    dec, path = llama_pte
+    assert path.suffix == ".pte" and is_pte(path)
+    art = kvtrace.load(path)
+    assert art.manifest.backend == "executorch" and art.cache_spec == dec.cache_spec
+    assert art.manifest.programs["prefill"].key_pos is False and art.manifest.programs["prefill"].logits == "last"
+    s = art.session()
+    for b, t in zip(dec.cache_spec.buffers(), s.state, strict=True):  # as the program starts: declared values
+        assert tuple(t.shape) == b.shape and bool((t == KV_INIT).all()), b.name
+
+
+@pytest.mark.compile
+def test_llama_pte_verifies_logits_and_every_cache_layer(llama_pte):
+    dec, path = llama_pte
+    report = kvtrace.verify(DecoderRunner(dec), [SessionRunner(kvtrace.load(path).session(), "executorch")],
+                            PROMPTS, steps=6)
+    assert report.passed, report.summary()
+    rows = report.rows
+    assert {r.prompt for r in rows} == {0, 1} and len(rows) == 2 * 7
+    assert all(len(r.k_max_abs) == 2 and max(r.k_max_abs + r.v_max_abs) < 1e-4 for r in rows)
+
+
+@pytest.mark.compile
+def test_session_api_on_the_programs_own_buffers(llama_pte):
+    dec, path = llama_pte
+    art = kvtrace.load(path)
+    s, ref = art.session(), DecoderRunner(dec).session
+    a, b = s.prefill(PROMPTS[0]), ref.prefill(PROMPTS[0])
+    torch.testing.assert_close(a, b[:, -1:], rtol=1e-4, atol=1e-4)
+    assert s.position == 5
+    snap = s.snapshot()
+    first = s.decode([[3]])
+    s.decode([[4]])
+    s.rewind(2)
+    assert s.position == 5
+    torch.testing.assert_close(s.decode([[3]]), first)  # rewound: the same step again
+    s.restore(snap)
+    torch.testing.assert_close(s.decode([[3]]), first)
+    other = art.session()  # its own program instance: untouched by s
+    assert all(bool((t == KV_INIT).all()) for t in other.state)
+    assert other.state[0].data_ptr() != s.state[0].data_ptr()
+    s.reset()  # really back to the declared state, in the program's own memory
+    assert s.position == 0 and all(bool((t == KV_INIT).all()) for t in s.state)
+    torch.testing.assert_close(s.prefill(PROMPTS[0]), a)
+
+
+@pytest.mark.compile
+def test_planted_fault_cache_without_initial_values_fails_verify(llama_pte, tmp_path):
+    """The seed's bug: the cache exported as mutable buffers without their initial values."""
+    dec, good = llama_pte
+    broken = registry.register(dataclasses.replace(EXECUTORCH, name="executorch-noinit", initialize_state=False))
+    try:
+        bad = kvtrace.export(dec, tmp_path / "noinit.pte", backend=broken.name, prefill_logits="last")
+        s = kvtrace.load(bad).session()
+        assert not any(bool((t == KV_INIT).any()) for t in s.state)  # the runtime's memory, not the declared -1
+        report = kvtrace.verify(DecoderRunner(dec), [SessionRunner(s, "noinit")], PROMPTS, steps=2)
+    finally:
+        registry.unregister(broken.name)
+    assert not report.passed
+    fail = report.first_failure("noinit")
+    assert fail is not None and fail.prompt == 0 and fail.step == "prefill"
+    assert "layers.0.k holds 0" in fail.failure and "declares -1" in fail.failure
+    ok = kvtrace.verify(DecoderRunner(dec), [SessionRunner(kvtrace.load(good).session(), "good")], PROMPTS, steps=2)
+    assert ok.passed
+
+
+@pytest.mark.compile
+def test_loading_needs_neither_transformers_nor_torch_export_deserialization(llama_pte):
+    _, path = llama_pte
+    code = ("import sys, torch, torch.export, torch._export.serde.serialize as ser, kvtrace\n"
+            "def refuse(*a, **k): raise AssertionError('a torch.export program was deserialized')\n"
+            "ser.deserialize = torch.export.load = refuse\n"
+            "s = kvtrace.load(sys.argv[1]).session(); s.prefill([[5, 7, 9]]); s.decode([[3]])\n"
+            "print('transformers' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False"]
+
+
+# --- other families --------------------------------------------------------------------------------------------
+@pytest.mark.compile
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 4}),
+                                                ("gemma2", {})], ids=["qwen2", "qwen3", "mistral-sliding", "gemma2"])
+def test_families_verify(arch, overrides, tmp_path):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms), Mistral with a window of 4 (rings: a 10-token prompt and 8
+    decoded tokens cross it; ExecuTorch's remainder of a negative int once broke the ring's slot positions),
+    Gemma 2 (its own decoder: soft-capping, local rings of 8 and global layers)."""
+    model = tiny_model(arch, **overrides)
+    path = kvtrace.export(model, tmp_path / f"{arch}.pte", max_seq_len=32, backend="executorch")
+    prompts = [list(range(5, 25, 2)), [3, 4, 5]]
+    report = kvtrace.verify(EagerRunner(model), [SessionRunner(kvtrace.load(path).session(), arch)], prompts, steps=8)
+    assert report.passed, report.summary()
+
+
+@pytest.mark.compile
+def test_vision_decoder_verifies_image_and_text_prompts(tmp_path):
+    model = tiny_mllama()
+    path = kvtrace.export(model, tmp_path / "mllama.pte", max_seq_len=32, backend="executorch", image_tokens=6)
+    art = kvtrace.load(path)
+    assert set(art.manifest.programs) == {"prefill", "decode", "prefill_image"}
+    prompts = [Prompt([5, 7, 9], {"cross_attention_states": image_features()}), [3, 4, 5, 6]]
+    report = kvtrace.verify(EagerRunner(model), [SessionRunner(art.session(), "executorch")], prompts, steps=5)
+    assert report.passed, report.summary()
+    cross = report.rows[0]  # the image prompt's prefill: the cross layers (1, 3) hold the image K/V
+    assert all(cross.k_max_abs[i] < 1e-4 for i in (1, 3))
+
+
+# --- ExecuTorch's own LLM runner -------------------------------------------------------------------------------
+def _bpe_model_dir(d: Path) -> tuple[Path, object]:
+    """A tiny byte-level BPE tokenizer (what ExecuTorch's HF tokenizer reads) and a random Llama whose greedy
+    picks are printable ASCII tokens (other rows of its head zeroed), saved as an HF model dir."""
+    import tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    bpe = tokenizers.ByteLevelBPETokenizer()
+    bpe.train_from_iterator(["the cat sat on the mat", "caches are declared state", "who founded meta"] * 20,
+                            vocab_size=300, min_frequency=1, special_tokens=["<s>", "</s>"])
+    bpe.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast",
+                                                          "bos_token": "<s>", "eos_token": "</s>"}))
+    tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
+    torch.manual_seed(0)
+    vocab = 320
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": vocab}, bos_token_id=0, eos_token_id=1)).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(20)
+        words = [i for i in range(2, tok.get_vocab_size()) if tok.decode([i]).strip().isascii()
+                 and tok.decode([i]).strip().isprintable() and tok.decode([i]).strip()]
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[words] = True
+        model.lm_head.weight[~keep] = 0.0
+        model.lm_head.weight.mul_(20)
+    model.save_pretrained(d)
+    return d, model
+
+
+@pytest.mark.compile
+def test_executorchs_text_llm_runner_streams_eagers_greedy_tokens(tmp_path):
+    runner_mod = pytest.importorskip("executorch.extension.llm.runner")
+    from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (the .pte's fused kernels)
+
+    (tmp_path / "src").mkdir()
+    src, model = _bpe_model_dir(tmp_path / "src")
+    pte = kvtrace.export(str(src), tmp_path / "model.pte", max_seq_len=64, backend="executorch")
+    tok_file = tokenizer_path(pte)
+    assert tok_file == tmp_path / "model.tokenizer.json" and tok_file.is_file()
+    prompt, n = "the cat sat", 12
+    runner = runner_mod.TextLLMRunner(str(pte), str(tok_file))
+    pieces: list[str] = []
+    runner.generate(prompt, runner_mod.GenerationConfig(temperature=0.0, max_new_tokens=n, echo=False),
+                    token_callback=pieces.append)
+    import tokenizers
+
+    tok = tokenizers.Tokenizer.from_file(str(tok_file))
+    ids = tok.encode(prompt).ids
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    eager = [tok.decode([t]) for t in out[0, len(ids):].tolist()]
+    assert len(pieces) == n and pieces == eager
+
+
+# --- the CLI ------------------------------------------------------------------------------------------------
+@pytest.mark.compile
+def test_cli_export_run_and_verify_against_executorch(tmp_path, capsys):
+    from conftest import make_tiny_hf_dir
+    from kvtrace.cli.main import main
+
+    src = tmp_path / "hf"
+    src.mkdir()
+    make_tiny_hf_dir(src, words_only=True)
+    pte = tmp_path / "tiny.pte"
+    assert main(["export", str(src), "--backend", "executorch", "-o", str(pte), "--max-seq-len", "32"]) == 0
+    assert is_pte(pte) and tokenizer_path(pte).is_file()
+    assert main(["run", str(pte), "--prompt", "hello world", "--raw", "--max-len", "8", "--temperature", "0"]) == 0
+    printed = capsys.readouterr()
+    assert "stop: max_new_tokens" in (printed.out + printed.err).replace("\n", " ")
+    out = tmp_path / "report.json"
+    code = main(["verify", str(src), "--against", "executorch", "--steps", "3", "--raw", "--prompt", "hello world",
+                 "--max-seq-len", "32", "--json", str(out)])
+    assert code == 0, capsys.readouterr()
+    report = json.loads(out.read_text())
+    assert report["passed"] is True and [s["candidate"] for s in report["summary"]] == ["executorch"]
+    assert len(report["rows"]) == 2 * (1 + 3)  # prompts x (prefill + steps), logits and every layer's K/V
