@@ -8,6 +8,8 @@ the plug-in points are ``kvtrace.backends``, ``kvtrace.cache.kinds`` and ``kvtra
     art = kvtrace.load("m.kvt"); s = art.session(); s.prefill(tokens); s.decode(tok)
     s.prefill(tokens, cross_attention_states=x)   # vision decoders: named prefill inputs
     chat = art.conversation(); turn = chat.ask("Hi"); [c.text for c in turn]   # multi-turn, cache kept
+    kvtrace.export(src, "s.kvt", slots=8); eng = kvtrace.load("s.kvt").slot_engine()   # 8 conversations, batched
+    slot, first = eng.admit(kvtrace.SlotRequest(ids, max_tokens=64)); events = eng.step()
     kvtrace.verify(reference, candidates, [tokens, kvtrace.Prompt(tokens, {"cross_attention_states": x})])
 """
 
@@ -62,6 +64,10 @@ _LAZY = {
     "Conversation": "kvtrace.runtime.chat",
     "Turn": "kvtrace.runtime.chat",
     "TurnStats": "kvtrace.runtime.chat",
+    "SlotEngine": "kvtrace.runtime.slots",
+    "SlotRequest": "kvtrace.runtime.slots",
+    "SlotEvent": "kvtrace.runtime.slots",
+    "FinishReason": "kvtrace.runtime.slots",
     # tools
     "verify": "kvtrace.tools.verify",
     "VerifyReport": "kvtrace.tools.verify",
@@ -90,6 +96,7 @@ __all__ = [
     "DecoderRunner",
     "EagerRunner",
     "Finding",
+    "FinishReason",
     "Generation",
     "GenerationResult",
     "GenerationStats",
@@ -109,6 +116,9 @@ __all__ = [
     "Sampling",
     "Session",
     "SessionRunner",
+    "SlotEngine",
+    "SlotEvent",
+    "SlotRequest",
     "Snapshot",
     "SourceError",
     "StepRow",
@@ -141,6 +151,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
     from kvtrace.runtime.session import Session, Snapshot
+    from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotEvent, SlotRequest
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest

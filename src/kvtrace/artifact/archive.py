@@ -54,6 +54,7 @@ from kvtrace.artifact.write import dedupe_weights, program_signature, write_arti
 from kvtrace.backends import registry
 from kvtrace.runtime.chat import Conversation
 from kvtrace.runtime.session import Session
+from kvtrace.runtime.slots import SlotEngine
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.manifest import FORMAT, TOKENIZER, VERSION, WEIGHTS, Manifest, ModelInfo, clip
 
@@ -78,12 +79,26 @@ class Artifact:
 
     def session(self) -> Session:
         """A new Session with its own cache, holding the declared initial values."""
+        if self.manifest.programs["prefill"].slots:
+            raise UsageError(
+                f"{self.path} holds {self.cache_spec.batch_size} conversation slots (programs that address cache rows "
+                "one by one, for serving): run it with artifact.slot_engine() or `kvtrace serve`, or export without "
+                "--slots for a Session")
         extra = {n: (spec, self._programs[n]) for n, spec in self.manifest.programs.items()
                  if n not in ("prefill", "decode")}
         return Session(self.cache_spec, self._programs["prefill"], self._programs["decode"],
                        vocab_size=self.manifest.vocab_size, extra=extra,
                        prefill_logits=self.manifest.programs["prefill"].logits,
                        key_pos=self.manifest.programs["prefill"].key_pos, identity=self.identity)
+
+    def slot_engine(self, max_seq_len: int | None = None) -> SlotEngine:
+        """A SlotEngine over a new cache: one conversation per cache row of an artifact exported with ``slots``
+        (a batch-1 artifact runs as one slot). ``max_seq_len``: per slot, at most the artifact's."""
+        tok = self.tokenizer()
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
+        programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
+        return SlotEngine(self.cache_spec, programs, vocab_size=self.manifest.vocab_size, max_seq_len=max_seq_len,
+                          decode_text=decode)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

@@ -22,6 +22,7 @@ from kvtrace._errors import CaptureError, KvtraceError, UsageError, one_line
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
 from kvtrace.capture.export import capture_programs, with_prefill_logits
+from kvtrace.models.step import slot_programs
 from kvtrace.spec.manifest import Manifest, ModelInfo
 from kvtrace.spec.program import program_specs
 
@@ -102,6 +103,7 @@ def export(
     image_tokens: int | None = None,
     prefill_logits: str = "all",
     kv_dtype: str | None = None,
+    slots: int | None = None,
     progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """Export a decoder with its KV cache to one artifact file.
@@ -131,6 +133,11 @@ def export(
             token and KV head (``kvtrace.cache.int8``), about 0.27-0.28x the bytes of a float32 cache, quantized on
             write and dequantized on read inside the programs; declared in the CacheSpec (``kv_dtype``), so the
             manifest, the Session and ``kvtrace verify`` know it. Llama-family decoders (LlamaDecoder) only.
+        slots: N conversation slots (``kvtrace serve``): the cache holds N independent rows
+            (``CacheSpec.batch_size = N``) and the programs are ``step.SLOT_PROGRAMS`` — prefill one slot,
+            decode any set of slots, each row at its own position (``ProgramSpec.slots``); such an artifact
+            runs under ``kvtrace.SlotEngine`` (``Artifact.slot_engine()``), not a Session. Llama-family
+            decoders with full-attention layers; None (default): an ordinary artifact of ``batch_size`` rows.
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """
@@ -141,6 +148,12 @@ def export(
     kv_dtype = _kv_dtype(kv_dtype)
     if max_seq_len < 1 or batch_size < 1:
         raise UsageError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+    if slots is not None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise UsageError(f"slots must be a whole number >= 1 (conversation slots), got {slots!r}")
+        if batch_size not in (1, slots):
+            raise UsageError(f"slots={slots} sets the cache's rows; leave batch_size unset (got {batch_size})")
+        batch_size = slots
     path = Path(path)
     if path.is_dir():  # fail before minutes of capture and compilation, not after
         raise UsageError(f"output path {path} is a directory; expected a file name such as model.kvt")
@@ -150,7 +163,11 @@ def export(
         decoder, model, info, tokenizer_json = _from_source(source, dtype=tdtype, max_seq_len=max_seq_len,
                                                             batch_size=batch_size, image_tokens=image_tokens,
                                                             kv_dtype=kv_dtype)
-    programs = with_prefill_logits(program_specs(decoder), prefill_logits, decoder)
+    if slots is not None and decoder.cache_spec.batch_size != slots:
+        raise UsageError(f"slots={slots} asks for {slots} cache rows, but this Decoder's cache_spec has batch_size "
+                         f"{decoder.cache_spec.batch_size}; build the Decoder with batch_size={slots}")
+    declared = slot_programs(decoder) if slots is not None else program_specs(decoder)
+    programs = with_prefill_logits(declared, prefill_logits, decoder)
     chosen.check_programs([p.name for p in programs], info.model_name or type(decoder).__name__)
     try:
         with progress("capturing programs (torch.export)"):

@@ -43,14 +43,15 @@ class BuildResult:
 
 
 def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, batch_size: int,
-                 prefill_logits: str = "last", kv_dtype: str | None = None) -> str:
+                 prefill_logits: str = "last", kv_dtype: str | None = None, slots: int | None = None) -> str:
     from kvtrace import __version__
     from kvtrace.artifact.archive import VERSION  # a new artifact format never serves entries of the old one
     from kvtrace.backends import registry
 
     blob = json.dumps([digest, registry.get(backend).name, max_seq_len, dtype, batch_size, __version__, VERSION, torch.__version__,
                        *([] if prefill_logits == "all" else [prefill_logits]),
-                       *([] if kv_dtype in (None, "auto") else [f"kv_dtype={kv_dtype}"])])
+                       *([] if kv_dtype in (None, "auto") else [f"kv_dtype={kv_dtype}"]),
+                       *([] if slots is None else [f"slots={slots}"])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
@@ -124,10 +125,11 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
 def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "float32",
                     batch_size: int = 1, prefill_logits: str = "last", progress: Any = None,
                     load: bool = False, notice: Callable[[str], None] | None = None,
-                    kv_dtype: str | None = None) -> BuildResult:
+                    kv_dtype: str | None = None, slots: int | None = None) -> BuildResult:
     """The artifact for ``source`` with these options, exporting it on a cache miss. Its prefill returns
     the last position's logits by default (what a generation samples from; see ``export``); ``kv_dtype``
-    ("int8") asks for a quantized KV cache, a separate entry.
+    ("int8") asks for a quantized KV cache, ``slots`` (N) an artifact of N conversation slots (``export``), each
+    a separate entry.
 
     ``load=True`` also loads it (``BuildResult.artifact``): a cached entry that ``kvtrace.load``
     refuses is then deleted and rebuilt, and ``notice`` (if given) gets one line saying so. A freshly
@@ -139,8 +141,8 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
 
     src = resolve_source(source)
     key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
-                       prefill_logits=prefill_logits, kv_dtype=kv_dtype)
-    path = _artifacts_dir() / f"{src.name}-{backend}-{key}.kvt"
+                       prefill_logits=prefill_logits, kv_dtype=kv_dtype, slots=slots)
+    path = _artifacts_dir() / f"{src.name}-{backend}{'' if slots is None else f'-slots{slots}'}-{key}.kvt"
     refused: tuple[int, int, int] | None = None  # the stamp of the entry that failed to load
 
     def hit() -> BuildResult | None:
@@ -170,7 +172,7 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
         t0 = time.perf_counter()
         try:
             export(src, path, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size, backend=backend,
-                   prefill_logits=prefill_logits, progress=progress, kv_dtype=kv_dtype)
+                   prefill_logits=prefill_logits, progress=progress, kv_dtype=kv_dtype, slots=slots)
         except OSError as e:
             raise UsageError(f"could not write the cached artifact {path} ({e.strerror or e}); "
                              "set KVTRACE_CACHE to a writable folder with free space") from e

@@ -289,13 +289,12 @@ AOTI = AotiBackend("aoti", "AOTInductor-compiled programs (native code), weights
 
 
 def _probe_inputs(manifest: Manifest, program: ProgramSpec, cache: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One call's inputs at position 0 with T = L = 1, over ``cache`` (allocated from the CacheSpec)."""
+    """One call's inputs at position 0 with T = L = 1 (and R = 1), over ``cache`` (allocated from the CacheSpec)."""
     import torch
 
     spec = manifest.cache_spec
-    flat = [torch.zeros(spec.batch_size, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)]
-    if program.key_pos:
-        flat.append(torch.zeros(1, dtype=torch.int64))
+    # tokens, input_pos (, key_pos, slots): T = L = R = 1, every id and position 0
+    flat = [torch.zeros(shape, dtype=torch.int64) for _, shape, _ in program.spine(spec.batch_size, 1, 1, 1)]
     for i in program.inputs:
         flat.append(torch.full(i.concrete(spec.batch_size, 1), i.default or 0.0, dtype=i.torch_dtype))
     return [*flat, *cache]

@@ -3,7 +3,9 @@
     k, v: [B, H_kv, max_seq_len, D]; slot j holds position j once a program wrote it
 
 Written by every program (prefill and decode) at ``input_pos``; slots ``[0, position)`` are valid, the
-rest are stale or initial and masked by position, so rewinding only moves the position. In a
+rest are stale or initial and masked by position, so rewinding only moves the position. A slots program
+(``ProgramSpec.slots``: each batch row its own conversation) writes and reads rows ``slots [R]`` only, each
+at its own positions (``write_rows`` / ``read_rows``). In a
 transformers DynamicCache such a layer holds the P past tokens ``[B, H_kv, P, D]`` (label ``"self"``).
 """
 
@@ -34,6 +36,21 @@ class FullOps(KindOps):
         """k, v [B, H_kv, T, D] into slots ``input_pos [T]`` of k_cache, v_cache [B, H_kv, S, D]."""
         k_cache.index_copy_(2, input_pos, k)
         v_cache.index_copy_(2, input_pos, v)
+
+    def write_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [R, H_kv, T, D] into rows ``slots [R]`` of k_cache, v_cache [B, H_kv, S, D], row r at its slots
+        ``input_pos[r] [T]`` (one scatter: index [R, 1] x [R, T] broadcast, the head dim kept whole)."""
+        rows = slots[:, None]  # [R, 1]
+        k_cache[rows, :, input_pos] = k.transpose(1, 2)  # indexed view [R, T, H_kv, D]
+        v_cache[rows, :, input_pos] = v.transpose(1, 2)
+
+    def read_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  key_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``slots [R]`` of k_cache, v_cache [B, H_kv, S, D] at cache slots ``key_pos [L]``: one gather
+        each -> [R, H_kv, L, D] (a strided view of the gathered [R, L, H_kv, D])."""
+        rows, keys = slots[:, None], key_pos[None, :]  # [R, 1], [1, L]
+        return k_cache[rows, :, keys].transpose(1, 2), v_cache[rows, :, keys].transpose(1, 2)
 
     def valid(self, k: torch.Tensor, v: torch.Tensor, position: int,
               prefilled: bool) -> tuple[torch.Tensor, torch.Tensor]:

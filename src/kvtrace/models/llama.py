@@ -90,14 +90,21 @@ def _qkv(a: LlamaArgs, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: t
 
 def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor,
                      mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_pos: torch.Tensor | None,
-                     ring: bool) -> torch.Tensor:
+                     ring: bool, slots: torch.Tensor | None = None) -> torch.Tensor:
     """The one place a layer touches its cache: write k, v [B, H_kv, T, D] at input_pos and attend -> [B, H, T, D].
 
     Full layer: written at slots input_pos of k_cache/v_cache [B, H_kv, S, D], then q attends over all S
     slots with mask [T, S], or (``key_pos [L]``, the live prefix) over those L slots with mask [T, L].
     ``ring`` (a SLIDING layer, S = window): q attends over the ring plus the new keys with the mask of
     ``sliding.attention_inputs`` (``mask``/``key_pos`` unused), then the ring is written at input_pos % W.
+    ``slots [R]`` (a slots program; full layers): q, k, v are rows ``slots`` of the cache, row r written at
+    ``input_pos[r]`` ([R, T]) and attending over its slots ``key_pos`` with mask [R, 1, T, L].
     """
+    if slots is not None:
+        full.OPS.write_rows(k_cache, v_cache, slots, input_pos, k, v)  # row slots[r], slots input_pos[r]
+        keys, values = full.OPS.read_rows(k_cache, v_cache, slots, key_pos)  # [R, H_kv, L, D]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.attention_scale,
+                                              enable_gqa=True)  # [R, H, T, D]
     if ring:
         keys, values, ring_mask = sliding.attention_inputs(k_cache, v_cache, input_pos, k, v)  # [B, H_kv, W + T, D]
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=ring_mask, scale=a.attention_scale,
@@ -123,12 +130,14 @@ def _residual(a: LlamaArgs, x: torch.Tensor, out: torch.Tensor, norm: torch.Tens
 def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, mask: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          key_pos: torch.Tensor | None = None, ring: bool = False, rope: bool = True,
-                         scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                         scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         slots: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer: attention over the cache (``cached_attention``), then the SwiGLU MLP.
 
     x [B, T, dim]; cos/sin [T, D_rot]; k_cache/v_cache [B, H_kv, S, D]; mask, key_pos, ring: see
     ``cached_attention``. ``rope`` False: this layer applies no RoPE (SmolLM3). ``scales``: an int8 cache's
-    (k_scale, v_scale) [B, H_kv, S, 1] (``int8_attention``). Pre-norm sublayers, or
+    (k_scale, v_scale) [B, H_kv, S, 1] (``int8_attention``); ``slots``: a slots program's rows (x [R, T, dim],
+    cos/sin [R, 1, T, D_rot], input_pos [R, T]; see ``cached_attention``). Pre-norm sublayers, or
     with ``a.post_norms`` the norms on each sublayer's output (``_residual``).
     """
     b, t, _ = x.shape
@@ -137,7 +146,7 @@ def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos
     if scales is not None:
         o = int8_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, scales, key_pos, ring)  # [B, H, T, D]
     else:
-        o = cached_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, key_pos, ring)  # [B, H, T, D]
+        o = cached_attention(a, q, k, v, input_pos, mask, k_cache, v_cache, key_pos, ring, slots)  # [B, H, T, D]
     x = _residual(a, x, layer.wo(o.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)), layer.attn_norm)
     h = x if a.post_norms else _norm(a, x, layer.ffn_norm)
     return _residual(a, x, swiglu(layer, h), layer.ffn_norm)
@@ -183,7 +192,7 @@ def swiglu(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [T, D_rot] (HF's rotate-half convention). D_rot < D (a partial rotary table,
+    """x [B, H, T, D]; cos/sin [T, D_rot], or [B, 1, T, D_rot] per row (HF's rotate-half convention). D_rot < D (a partial rotary table,
     Phi-3's partial_rotary_factor): the first D_rot features rotate, the rest pass (shapes: a trace-time choice)."""
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
@@ -196,6 +205,7 @@ class LlamaDecoder(Step):
     """A Llama-family Decoder whose weights come from an HF model (fused, stored once)."""
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
+    runs_slots = True  # forward_slots: full-attention layers, K/V in the model's dtype (``step.slot_programs``)
 
     def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                  rope_long: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -218,23 +228,29 @@ class LlamaDecoder(Step):
         self.programs = programs_for(spec)
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,
-             state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+             state: tuple[torch.Tensor, ...], slots: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T], input_pos [T]; or (``slots [R]``, a slots program) tokens [R, T], input_pos [R, T]."""
         a = self.args
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         if a.embedding_multiplier != 1.0:  # LlamaArgs fields: trace-time constants, never runtime branches
             x = x * a.embedding_multiplier
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D_rot]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D_rot] ([R, T, D_rot] with slots)
         if a.rope_switch is not None:  # longrope, as HF: all of a call's positions go long once its last passes
-            long = input_pos.max() + 1 > a.rope_switch  # [] (a tensor: the cache keeps what each call wrote)
+            # [] (a tensor: the cache keeps what each call wrote); per row [R, 1, 1] with slots
+            long = (input_pos.max() if slots is None else input_pos.amax(-1, keepdim=True)[..., None]) + 1 > a.rope_switch
             cos = torch.where(long, self.rope_cos_long[input_pos], cos)
             sin = torch.where(long, self.rope_sin_long[input_pos], sin)
         keys = key_pos if key_pos is not None else torch.arange(self.cache_spec.max_seq_len, device=tokens.device)
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
-        mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
+        if slots is None:
+            mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
+        else:  # each row by its own positions: [R, 1, T, L]; RoPE per row, broadcast over heads
+            mask = (keys[None, None, :] <= input_pos[:, :, None])[:, None]
+            cos, sin = cos[:, None], sin[:, None]  # [R, 1, T, D_rot]
         for i, layer in enumerate(self.layers):
             kv = self.cache_spec.layer_state(state, i)  # k, v (+ an int8 cache's scales)
             x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, kv.k, kv.v, key_pos, ring=self._rings[i],
-                                     rope=i not in a.no_rope, scales=kv.scales)
+                                     rope=i not in a.no_rope, scales=kv.scales, slots=slots)
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
         logits = self.output(_norm(a, x, self.norm))  # [B, T or 1, V]
