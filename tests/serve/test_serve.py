@@ -359,3 +359,31 @@ def test_cli_serve_refuses_a_parallel_its_artifact_lacks(artifacts, capsys):
     assert "holds 4 conversation slot(s), --parallel asks for 2" in capsys.readouterr().err
     assert main(["serve", str(artifacts / "solo.kvt"), "--max-seq-len", "999"]) == 2
     assert "more than solo.kvt's cache holds (96)" in capsys.readouterr().err
+
+
+def test_the_cli_serves_an_artifact_in_its_own_process(artifacts):
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "serve", str(artifacts / "slots.kvt"), "--port",
+                             str(port), "--api-key", "sk-cli"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-cli"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert f"on http://127.0.0.1:{port}/v1" in err and "4 conversation slot(s), max_seq_len 96" in err

@@ -4,7 +4,8 @@ Every malformed body is an ``ApiError`` (HTTP 4xx, in OpenAI's error shape ``{"e
 "type", "param", "code"}}``) naming the field, what it must be and what was found. Known fields must have
 their documented types; unknown fields are ignored (as vLLM and llama.cpp do, so clients sending newer
 parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, logprobs,
-penalties, ``echo``, ...) are refused by name rather than silently ignored.
+penalties, ``echo``, ...) are refused by name rather than silently ignored. Two extensions other servers
+share: ``top_k`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
 
 Chat prompts are rendered with the artifact's own chat template (``sources.chat``), exactly as
 ``kvtrace run --prompt`` renders its one user message, so a one-message chat equals ``kvtrace run``.
@@ -227,7 +228,8 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
             raise ApiError(f"{name} must be a string, got {_short(body[name])}", param=name)
     sampling = Sampling(temperature=renderer.temperature if temperature is None else temperature, top_k=top_k,
                         top_p=top_p, seed=None if seed is None else seed % 2**63)
-    req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=renderer.eos_ids, stop=_stop(body))
+    stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
+    req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body))
     return req, stream, include_usage
 
 
