@@ -40,17 +40,17 @@ class FullOps(KindOps):
     def write_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor,
                    k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [R, H_kv, T, D] into rows ``slots [R]`` of k_cache, v_cache [B, H_kv, S, D], row r at its slots
-        ``input_pos[r] [T]`` (one scatter: index [R, 1] x [R, T] broadcast, the head dim kept whole)."""
-        rows = slots[:, None]  # [R, 1]
-        k_cache[rows, :, input_pos] = k.transpose(1, 2)  # indexed view [R, T, H_kv, D]
-        v_cache[rows, :, input_pos] = v.transpose(1, 2)
+        ``input_pos[r] [T]``: one scatter each, indexed [R, H_kv, T] (broadcast), the head dim kept whole."""
+        rows, heads, pos = _row_index(slots, k_cache.shape[1], input_pos)
+        k_cache[rows, heads, pos] = k
+        v_cache[rows, heads, pos] = v
 
     def read_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                   key_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``slots [R]`` of k_cache, v_cache [B, H_kv, S, D] at cache slots ``key_pos [L]``: one gather
-        each -> [R, H_kv, L, D] (a strided view of the gathered [R, L, H_kv, D])."""
-        rows, keys = slots[:, None], key_pos[None, :]  # [R, 1], [1, L]
-        return k_cache[rows, :, keys].transpose(1, 2), v_cache[rows, :, keys].transpose(1, 2)
+        """Rows ``slots [R]`` of k_cache, v_cache [B, H_kv, S, D] at cache slots ``key_pos [L]``: one gather each,
+        indexed [R, H_kv, L] -> contiguous [R, H_kv, L, D]."""
+        rows, heads, keys = _row_index(slots, k_cache.shape[1], key_pos[None, :])
+        return k_cache[rows, heads, keys], v_cache[rows, heads, keys]
 
     def valid(self, k: torch.Tensor, v: torch.Tensor, position: int,
               prefilled: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,6 +62,13 @@ class FullOps(KindOps):
 
     def hf_length(self, label: str) -> str:
         return PAST
+
+
+def _row_index(slots: torch.Tensor, n_heads: int, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Advanced indices over [B, H_kv, S] that broadcast to [R, H_kv, T]: rows [R, 1, 1], heads [1, H_kv, 1],
+    positions [R or 1, 1, T] (``pos`` [R or 1, T])."""
+    heads = torch.arange(n_heads, device=slots.device)
+    return slots[:, None, None], heads[None, :, None], pos[:, None, :]
 
 
 OPS = FullOps()
