@@ -16,7 +16,7 @@ EXPECTED = ERRORS | {
     "export", "load", "Artifact", "Manifest",  # artifacts
     "Session", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult", "GenerationStats",
     "Chunk", "Conversation", "Turn", "TurnStats",  # running
-    "SlotEngine", "SlotRequest", "SlotEvent", "FinishReason",  # many conversations over one batched cache
+    "SlotEngine", "SlotRequest", "SlotEvent", "FinishReason", "SlotSession",  # many conversations over one batched cache
     "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
     "DecoderRunner",
     "lint", "LintReport", "Finding",  # tools

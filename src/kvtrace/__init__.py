@@ -68,6 +68,7 @@ _LAZY = {
     "SlotRequest": "kvtrace.runtime.slots",
     "SlotEvent": "kvtrace.runtime.slots",
     "FinishReason": "kvtrace.runtime.slots",
+    "SlotSession": "kvtrace.runtime.slots",
     # tools
     "verify": "kvtrace.tools.verify",
     "VerifyReport": "kvtrace.tools.verify",
@@ -119,6 +120,7 @@ __all__ = [
     "SlotEngine",
     "SlotEvent",
     "SlotRequest",
+    "SlotSession",
     "Snapshot",
     "SourceError",
     "StepRow",
@@ -151,7 +153,7 @@ if TYPE_CHECKING:  # pragma: no cover
     )
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
     from kvtrace.runtime.session import Session, Snapshot
-    from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotEvent, SlotRequest
+    from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotEvent, SlotRequest, SlotSession
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest

@@ -231,3 +231,20 @@ def test_aoti_slot_artifact_matches_solo_runs(tmp_path):
     for i, (p, m) in enumerate(zip(prompts, maxes, strict=True)):
         assert out[i] == generate(solo.session(), p, max_new_tokens=m).tokens, f"request {i}"
     assert all(bool((t == 0).all()) for t in engine.state)
+
+
+def test_verify_checks_one_slot_of_a_slots_artifact_against_eager(exported):
+    """A slots artifact under kvtrace.verify: its last slot, driven like a Session, logits and every cache layer
+    against the HF model step by step; the other rows stay at their initial values."""
+    from kvtrace.tools.runners import EagerRunner, SessionRunner
+    from kvtrace.tools.verify import verify
+
+    _, art = exported
+    session = art.slot_session()
+    assert session.slot == SLOTS - 1 and session.spec.batch_size == 1 and session.state[0].shape[0] == 1
+    report = verify(EagerRunner(tiny_model("llama")), [SessionRunner(session, "slots")], _prompts((6, 9), seed=4),
+                    steps=6)
+    assert report.passed, report.summary()
+    assert session.untouched()
+    with pytest.raises(UsageError, match="slot must be in"):
+        art.slot_session(SLOTS)

@@ -54,7 +54,7 @@ from kvtrace.artifact.write import dedupe_weights, program_signature, write_arti
 from kvtrace.backends import registry
 from kvtrace.runtime.chat import Conversation
 from kvtrace.runtime.session import Session
-from kvtrace.runtime.slots import SlotEngine
+from kvtrace.runtime.slots import SlotEngine, SlotSession
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.manifest import FORMAT, TOKENIZER, VERSION, WEIGHTS, Manifest, ModelInfo, clip
 
@@ -99,6 +99,12 @@ class Artifact:
         programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
         return SlotEngine(self.cache_spec, programs, vocab_size=self.manifest.vocab_size, max_seq_len=max_seq_len,
                           decode_text=decode)
+
+    def slot_session(self, slot: int | None = None) -> SlotSession:
+        """One slot (default: the last) of a slots artifact driven like a Session, for step-by-step checks
+        (``kvtrace verify --artifact``); serving uses ``slot_engine``."""
+        programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
+        return SlotSession(self.cache_spec, programs, slot=slot, vocab_size=self.manifest.vocab_size)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

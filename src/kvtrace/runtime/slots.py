@@ -39,7 +39,7 @@ from kvtrace.runtime.generate import Sampling, _TextStream, sample
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import ProgramSpec
 
-__all__ = ["FinishReason", "SlotEngine", "SlotEvent", "SlotRequest"]
+__all__ = ["FinishReason", "SlotEngine", "SlotEvent", "SlotRequest", "SlotSession"]
 
 Program = Callable[..., torch.Tensor]
 
@@ -342,3 +342,71 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
                 most = k
                 break
     return most
+
+
+class SlotSession:
+    """One slot of a slots artifact driven like a Session (``prefill``, ``decode``, ``reset``, ``position``,
+    ``state``), for tools that compare a Session's logits and cache step by step (``kvtrace verify``).
+
+    It owns a cache of all N rows and runs the slot programs on row ``slot`` only (R = 1), so the other rows
+    must stay at their initial values — which ``untouched()`` checks. ``state`` and ``spec`` show that row as a
+    batch-1 cache ``[1, H_kv, S, D]``.
+    """
+
+    def __init__(self, spec: CacheSpec, programs: Mapping[str, tuple[ProgramSpec, Program]], slot: int | None = None,
+                 vocab_size: int | None = None, device: str = "cpu"):
+        import dataclasses
+
+        (self._pre_spec, self._prefill), (self._dec_spec, self._decode) = programs["prefill"], programs["decode"]
+        if not (self._pre_spec.slots and self._dec_spec.slots):
+            raise UsageError("a SlotSession runs slot programs (an artifact exported with slots=N); use a Session")
+        self.slot = spec.batch_size - 1 if slot is None else slot
+        if not 0 <= self.slot < spec.batch_size:
+            raise UsageError(f"slot must be in [0, {spec.batch_size}), got {slot}")
+        self._full = spec
+        self.spec = dataclasses.replace(spec, batch_size=1)  # what `state` shows
+        self.prefill_logits = self._pre_spec.logits
+        self.filled: frozenset[str] = frozenset()
+        self._vocab = vocab_size
+        self._device = torch.device(device)
+        self._state = spec.allocate(device)
+        self._pos = 0
+
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    @property
+    def state(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t[self.slot : self.slot + 1] for t in self._state)  # [1, H_kv, S, D] views of the row
+
+    def untouched(self) -> bool:
+        """Whether every other row still holds its initial values."""
+        return all(bool((t[i] == b.init).all()) for t, b in zip(self._state, self._full.buffers(), strict=True)
+                   for i in range(self._full.batch_size) if i != self.slot)
+
+    def reset(self) -> None:
+        self._full.reset_(self._state)
+        self._pos = 0
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._call(self._prefill, torch.as_tensor(tokens, dtype=torch.int64).reshape(1, -1))
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        return self._call(self._decode, torch.as_tensor(token, dtype=torch.int64).reshape(1, 1))
+
+    def _call(self, program: Program, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        end = self._pos + t
+        if t < 1 or end > self._full.max_seq_len:
+            raise CacheOverflowError(f"{t} token(s) at position {self._pos} need {end} cache slots; the cache holds "
+                                     f"max_seq_len={self._full.max_seq_len}")
+        if self._vocab is not None and (int(tokens.min()) < 0 or int(tokens.max()) >= self._vocab):
+            raise UsageError(f"token ids must be in [0, {self._vocab})")
+        dev = self._device
+        pos = torch.arange(self._pos, end, dtype=torch.int64, device=dev)[None]  # [1, T]
+        keys = torch.arange(end, dtype=torch.int64, device=dev)  # [L]
+        slots = torch.tensor([self.slot], dtype=torch.int64, device=dev)  # [1]
+        logits = program(tokens.to(dev).contiguous(), pos, keys, slots, *self._state)
+        self._pos = end
+        return logits
