@@ -257,8 +257,8 @@ def test_a_client_that_disconnects_frees_its_slot(server, monkeypatch):
 
 def test_a_full_queue_is_429(server, monkeypatch):
     wait_idle(server)
-    slowed(server, monkeypatch, 0.05)
-    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 40, "stream": True}
+    slowed(server, monkeypatch, 0.1)  # every request holds its slot for 7 s
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 70, "stream": True}
     streams = []
     try:
         for _ in range(SLOTS + 6):  # every slot busy, then the queue's bound of 6
@@ -272,7 +272,7 @@ def test_a_full_queue_is_429(server, monkeypatch):
     finally:
         for cm in streams:
             cm.__exit__(None, None, None)
-    wait_idle(server, timeout=5)
+    wait_idle(server, timeout=5)  # closing the streams cancelled them all
 
 
 def test_api_key_is_enforced(artifacts):

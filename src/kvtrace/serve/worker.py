@@ -160,6 +160,9 @@ class Worker:
             self.steps += 1
             for ev in events:
                 self._deliver(ev)
+        # Hand the GIL to the HTTP thread now, so it sends these tokens before the next step: a compiled program
+        # holds the GIL while it runs, and this thread would otherwise take it straight back.
+        time.sleep(0)
 
     def _admit(self, job: Job) -> None:
         t0 = time.perf_counter()
