@@ -31,7 +31,7 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
     with output_file(args.json, "--json"):
         data = run_serve_bench(args.model, clients=clients, requests_per_client=args.requests, new_tokens=args.new_tokens,
                                max_seq_len=args.max_seq_len, backend=backend, baseline_runs=args.runs,
-                               progress=ui.step)
+                               check=not args.no_check, progress=ui.step)
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=2))
     ui.out.print(render_markdown(data), markup=False, highlight=False, soft_wrap=True)
@@ -56,6 +56,8 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                         "--backends names its one backend, default aoti), answers checked against solo runs")
     p.add_argument("--clients", type=int_list, default="1,2,4,8", help="with --serve: concurrency levels")
     p.add_argument("--requests", type=POSITIVE, default=2, help="with --serve: requests per client per level")
+    p.add_argument("--no-check", action="store_true",
+                   help="with --serve: skip the solo runs that check every answer (timing only)")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also measure decode speed against context position and plot it (needs matplotlib)")
     p.set_defaults(func=cmd_bench)
