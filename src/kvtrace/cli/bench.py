@@ -31,7 +31,7 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
     with output_file(args.json, "--json"):
         data = run_serve_bench(args.model, clients=clients, requests_per_client=args.requests, new_tokens=args.new_tokens,
                                max_seq_len=args.max_seq_len, backend=backend, baseline_runs=args.runs,
-                               check=not args.no_check, progress=ui.step)
+                               check=not args.no_check, threads=args.threads, progress=ui.step)
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=2))
     ui.out.print(render_markdown(data), markup=False, highlight=False, soft_wrap=True)

@@ -148,13 +148,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600)
     raise UsageError(f"the server did not answer {url}/health within {timeout:.0f}s")
 
 
-def _run_baseline(path: Path, prompt: str, max_len: int, runs: int) -> list[float]:
+def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[str, str]) -> list[float]:
     """``kvtrace run`` decode tokens/s, one fresh process per run."""
     out = []
     for _ in range(runs):
         proc = subprocess.run([sys.executable, "-m", "kvtrace.cli", "run", str(path), "--prompt", prompt,
                                "--max-len", str(max_len), "--json", "--quiet"], capture_output=True, text=True,
-                              check=False)
+                              check=False, env=env)
         if proc.returncode != 0:
             raise UsageError(f"kvtrace run failed: {proc.stderr.strip()[-300:]}")
         out.append(float(json.loads(proc.stdout.strip().splitlines()[-1])["decode_tokens_per_s"]))
@@ -163,8 +163,10 @@ def _run_baseline(path: Path, prompt: str, max_len: int, runs: int) -> list[floa
 
 def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2, 4, 8), requests_per_client: int = 2,
                     new_tokens: int = 128, max_seq_len: int = 1024, backend: str = "aoti", baseline_runs: int = 3,
-                    check: bool = True, progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
-    """Measure ``kvtrace serve`` (see the module docstring); returns a JSON-able dict with ``levels``."""
+                    check: bool = True, threads: int | None = None,
+                    progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
+    """Measure ``kvtrace serve`` (see the module docstring); returns a JSON-able dict with ``levels``.
+    ``threads``: torch threads of the server and baseline processes (OMP_NUM_THREADS; None: torch's default)."""
     import contextlib
 
     import torch
@@ -177,11 +179,12 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
         plain = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, progress=None)
         served = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, slots=slots if slots > 1 else None,
                                  progress=None)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({} if threads is None else {"OMP_NUM_THREADS": str(threads)})}
     with progress(f"baseline: kvtrace run x{baseline_runs} (fresh processes)"):
-        base = _run_baseline(plain.path, PROMPTS[0], max_len=min(max_seq_len, 64 + new_tokens), runs=baseline_runs)
+        base = _run_baseline(plain.path, PROMPTS[0], max_len=min(max_seq_len, 64 + new_tokens), runs=baseline_runs,
+                             env=env)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "serve", str(served.path), "--port", str(port),
                              "--quiet", "--queue", str(4 * slots)], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -220,7 +223,8 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
     baseline = statistics.median(base)
     return {
         "model": model or "smollm2-135m-instruct", "backend": backend, "slots": slots, "new_tokens": new_tokens,
-        "requests_per_client": requests_per_client, "max_seq_len": max_seq_len, "threads": torch.get_num_threads(),
+        "requests_per_client": requests_per_client, "max_seq_len": max_seq_len,
+        "threads": threads if threads is not None else torch.get_num_threads(),
         "kvtrace_run_decode_tok_s": round(baseline, 2), "kvtrace_run_runs": [round(b, 2) for b in base],
         "single_client_decode_vs_run": round(levels[0].decode_tok_s_p50 / baseline, 3) if levels and baseline else None,
         "checked_against_solo": check,
