@@ -9,7 +9,7 @@ import kvtrace
 
 PKG = Path(kvtrace.__file__).parent
 # the flow, lowest first; kvtrace/__init__ and kvtrace/_errors sit below everything
-LAYERS = ("spec", "cache", "models", "sources", "capture", "backends", "runtime", "artifact", "tools", "cli")
+LAYERS = ("spec", "cache", "models", "sources", "capture", "backends", "runtime", "artifact", "tools", "serve", "cli")
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:

@@ -8,6 +8,8 @@ the plug-in points are ``kvtrace.backends``, ``kvtrace.cache.kinds`` and ``kvtra
     art = kvtrace.load("m.kvt"); s = art.session(); s.prefill(tokens); s.decode(tok)
     s.prefill(tokens, cross_attention_states=x)   # vision decoders: named prefill inputs
     chat = art.conversation(); turn = chat.ask("Hi"); [c.text for c in turn]   # multi-turn, cache kept
+    kvtrace.export(src, "s.kvt", slots=8); eng = kvtrace.load("s.kvt").slot_engine()   # 8 conversations, batched
+    slot, first = eng.admit(kvtrace.SlotRequest(ids, max_tokens=64)); events = eng.step()
     kvtrace.verify(reference, candidates, [tokens, kvtrace.Prompt(tokens, {"cross_attention_states": x})])
 """
 
@@ -67,6 +69,11 @@ _LAZY = {
     "GraphStats": "kvtrace.runtime.graphs",
     "Turn": "kvtrace.runtime.chat",
     "TurnStats": "kvtrace.runtime.chat",
+    "SlotEngine": "kvtrace.runtime.slots",
+    "SlotRequest": "kvtrace.runtime.slots",
+    "SlotEvent": "kvtrace.runtime.slots",
+    "FinishReason": "kvtrace.runtime.slots",
+    "SlotSession": "kvtrace.runtime.slots",
     # tools
     "verify": "kvtrace.tools.verify",
     "VerifyReport": "kvtrace.tools.verify",
@@ -97,6 +104,7 @@ __all__ = [
     "EagerCapturer",
     "EagerRunner",
     "Finding",
+    "FinishReason",
     "Generation",
     "GenerationResult",
     "GenerationStats",
@@ -119,6 +127,10 @@ __all__ = [
     "Sampling",
     "Session",
     "SessionRunner",
+    "SlotEngine",
+    "SlotEvent",
+    "SlotRequest",
+    "SlotSession",
     "Snapshot",
     "SourceError",
     "StepRow",
@@ -152,6 +164,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.runtime.graphs import Capturer, EagerCapturer, GraphStats
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
     from kvtrace.runtime.session import ProgramSet, Session, Snapshot
+    from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotEvent, SlotRequest, SlotSession
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest

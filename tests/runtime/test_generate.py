@@ -117,3 +117,12 @@ def test_stream_checks_its_arguments_before_any_step():
     with pytest.raises(UsageError, match="empty"):
         stream(s, [])
     assert s.position == 0
+
+
+def test_a_temperature_that_rounds_to_zero_samples_greedily_not_nan():
+    from kvtrace.runtime.generate import Sampling, sample
+
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(0))
+    for t in (2.2e-311, 1e-300, 1e-40):  # 0 in float32: x / t would be 0 / 0 = nan at the maximum
+        for s in (Sampling(temperature=t), Sampling(temperature=t, top_k=5, top_p=0.5)):
+            assert sample(logits, s, torch.Generator().manual_seed(1)).flatten().tolist() == logits.argmax(-1).tolist()

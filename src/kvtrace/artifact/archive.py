@@ -57,6 +57,7 @@ from kvtrace.backends import registry
 from kvtrace.runtime.chat import Conversation
 from kvtrace.runtime.graphs import Capturer
 from kvtrace.runtime.session import ProgramSet, Session
+from kvtrace.runtime.slots import SlotEngine, SlotSession
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.device import check_available, concrete
 from kvtrace.spec.device import resolve as resolve_device
@@ -90,6 +91,11 @@ class Artifact:
         programs and weights live there, so another is a UsageError (``kvtrace.load(path, device=...)``
         picks it). ``cuda_graphs``: decode replays CUDA graphs (``runtime.graphs``; CUDA artifacts only), or with
         ``capturer`` the same bookkeeping through it (``EagerCapturer``: no graphs, on any device)."""
+        if self.manifest.programs["prefill"].slots:
+            raise UsageError(
+                f"{self.path} holds {self.cache_spec.batch_size} conversation slots (programs that address cache rows "
+                "one by one, for serving): run it with artifact.slot_engine() or `kvtrace serve`, or export without "
+                "--slots for a Session")
         want = resolve_device(device, default=str(self.device), what="session device")
         if want.type != self.device.type or want.index not in (None, self.device.index):
             raise UsageError(f"{self.path.name} was loaded on {self.device}, its weights and programs live there; "
@@ -108,6 +114,21 @@ class Artifact:
                           prefill_logits=m.programs["prefill"].logits, key_pos=m.programs["prefill"].key_pos,
                           vocab_size=m.vocab_size, identity=self.identity, label=m.backend, quant=m.quant,
                           state=state)
+
+    def slot_engine(self, max_seq_len: int | None = None) -> SlotEngine:
+        """A SlotEngine over a new cache: one conversation per cache row of an artifact exported with ``slots``
+        (a batch-1 artifact runs as one slot). ``max_seq_len``: per slot, at most the artifact's."""
+        tok = self.tokenizer()
+        decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
+        programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
+        return SlotEngine(self.cache_spec, programs, vocab_size=self.manifest.vocab_size, max_seq_len=max_seq_len,
+                          decode_text=decode)
+
+    def slot_session(self, slot: int | None = None) -> SlotSession:
+        """One slot (default: the last) of a slots artifact driven like a Session, for step-by-step checks
+        (``kvtrace verify --artifact``); serving uses ``slot_engine``."""
+        programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
+        return SlotSession(self.cache_spec, programs, slot=slot, vocab_size=self.manifest.vocab_size)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

@@ -23,6 +23,7 @@ from kvtrace._errors import CaptureError, KvtraceError, UnsupportedError, UsageE
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
 from kvtrace.capture.export import capture_programs, with_prefill_logits
+from kvtrace.models.step import slot_programs
 from kvtrace.spec.device import check_available, concrete
 from kvtrace.spec.device import resolve as resolve_device
 from kvtrace.spec.manifest import Manifest, ModelInfo
@@ -160,6 +161,7 @@ def export(
     quant: str | QuantSpec | None = None,
     quant_group_size: int | None = None,
     quant_head: bool = True,
+    slots: int | None = None,
     progress: Callable[[str], AbstractContextManager[Any]] | None = None,
 ) -> Path:
     """Export a decoder with its KV cache to one artifact file.
@@ -201,6 +203,11 @@ def export(
             head as int8. The module-by-module choice is recorded in the manifest (``Manifest.quant``), and
             ``kvtrace verify`` judges the artifact against the same quantized weights run eagerly
             (``kvtrace.spec.quant``, ``kvtrace.models.quant``). Llama-family decoders only.
+        slots: N conversation slots (``kvtrace serve``): the cache holds N independent rows
+            (``CacheSpec.batch_size = N``) and the programs are ``step.SLOT_PROGRAMS`` — prefill one slot,
+            decode any set of slots, each row at its own position (``ProgramSpec.slots``); such an artifact
+            runs under ``kvtrace.SlotEngine`` (``Artifact.slot_engine()``), not a Session. Llama-family
+            decoders with full-attention layers; None (default): an ordinary artifact of ``batch_size`` rows.
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """
@@ -223,14 +230,21 @@ def export(
         # written and checked on CPU only
         raise UnsupportedError(f"quant={qspec.scheme!r} on device {dev}: quantized weights are computed by CPU kernels "
                                "only; export with device='cpu', or without quant for a GPU")
-    if chosen.standalone and (qspec is not None or dev.type != "cpu"):
-        raise UnsupportedError(f"backend {backend!r} writes a CPU program of float weights; "
-                               + (f"quant={qspec.scheme!r}" if qspec is not None else f"device {dev}")
+    if chosen.standalone and (qspec is not None or dev.type != "cpu" or slots is not None):
+        raise UnsupportedError(f"backend {backend!r} writes a CPU program of float weights for one conversation; "
+                               + (f"quant={qspec.scheme!r}" if qspec is not None
+                                  else f"device {dev}" if dev.type != "cpu" else f"slots={slots}")
                                + " is not offered with it yet. Use backend 'aoti', or export without it")
     check_available(dev, f"export to device {dev}")
     dev = concrete(dev)
     if max_seq_len < 1 or batch_size < 1:
         raise UsageError(f"max_seq_len and batch_size must be >= 1, got {max_seq_len} and {batch_size}")
+    if slots is not None:
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise UsageError(f"slots must be a whole number >= 1 (conversation slots), got {slots!r}")
+        if batch_size not in (1, slots):
+            raise UsageError(f"slots={slots} sets the cache's rows; leave batch_size unset (got {batch_size})")
+        batch_size = slots
     path = Path(path)
     if path.is_dir():  # fail before minutes of capture and compilation, not after
         raise UsageError(f"output path {path} is a directory; expected a file name such as model.kvt")
@@ -240,7 +254,11 @@ def export(
         decoder, model, info, tokenizer_json, qspec = _from_source(
             source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
             kv_dtype=kv_dtype, device=dev, quant=qspec)
-    programs = chosen.program_specs(with_prefill_logits(program_specs(decoder), prefill_logits, decoder), decoder)
+    if slots is not None and decoder.cache_spec.batch_size != slots:
+        raise UsageError(f"slots={slots} asks for {slots} cache rows, but this Decoder's cache_spec has batch_size "
+                         f"{decoder.cache_spec.batch_size}; build the Decoder with batch_size={slots}")
+    declared = slot_programs(decoder) if slots is not None else program_specs(decoder)
+    programs = chosen.program_specs(with_prefill_logits(declared, prefill_logits, decoder), decoder)
     chosen.check_programs([p.name for p in programs], info.model_name or type(decoder).__name__)
 
     def manifest(aliases: dict[str, str]) -> Manifest:

@@ -44,7 +44,7 @@ class BuildResult:
 
 def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, batch_size: int,
                  prefill_logits: str = "last", kv_dtype: str | None = None, device: str = "cpu",
-                 quant: str | None = None) -> str:
+                 quant: str | None = None, slots: int | None = None) -> str:
     """``quant``: the quantization's ``QuantSpec.key`` (scheme, group size, head), None for none."""
     from kvtrace import __version__
     from kvtrace.artifact.archive import VERSION  # a new artifact format never serves entries of the old one
@@ -54,18 +54,19 @@ def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, bat
                        *([] if prefill_logits == "all" else [prefill_logits]),
                        *([] if kv_dtype in (None, "auto") else [f"kv_dtype={kv_dtype}"]),
                        *([] if device == "cpu" else [f"device={device}"]),  # a CPU entry's key as before
-                       *([] if quant is None else [f"quant={quant}"])])
+                       *([] if quant is None else [f"quant={quant}"]),
+                       *([] if slots is None else [f"slots={slots}"])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 
 def entry_path(src: Any, *, backend: str, max_seq_len: int, dtype: str = "float32", batch_size: int = 1,
                prefill_logits: str = "last", kv_dtype: str | None = None, device: str = "cpu",
-               quant: str | None = None) -> Path:
+               quant: str | None = None, slots: int | None = None) -> Path:
     """Where the cache keeps the artifact of a resolved source (``ModelSource``) with these options
     (``quant``: a ``QuantSpec.key``)."""
     key = artifact_key(src.digest, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
-                       prefill_logits=prefill_logits, kv_dtype=kv_dtype, device=device, quant=quant)
-    return _artifacts_dir() / f"{src.name}-{backend}-{key}.kvt"
+                       prefill_logits=prefill_logits, kv_dtype=kv_dtype, device=device, quant=quant, slots=slots)
+    return _artifacts_dir() / f"{src.name}-{backend}{'' if slots is None else f'-slots{slots}'}-{key}.kvt"
 
 
 def _artifacts_dir() -> Path:
@@ -139,12 +140,13 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
                     batch_size: int = 1, prefill_logits: str = "last", progress: Any = None,
                     load: bool = False, notice: Callable[[str], None] | None = None,
                     kv_dtype: str | None = None, device: str = "cpu", quant: str | None = None,
-                    quant_group_size: int | None = None, quant_head: bool = True,
+                    quant_group_size: int | None = None, quant_head: bool = True, slots: int | None = None,
                     build: bool = True) -> BuildResult | None:
     """The artifact for ``source`` with these options, exporting it on a cache miss. Its prefill returns
     the last position's logits by default (what a generation samples from; see ``export``); ``kv_dtype``
     ("int8") asks for a quantized KV cache, ``quant`` (``export``'s) for quantized weights, ``device`` ("cuda")
-    programs compiled for a GPU (keyed by the device type; loaded on ``device``): each a separate entry.
+    programs compiled for a GPU (keyed by the device type; loaded on ``device``), ``slots`` (N) an artifact of
+    N conversation slots (``export``): each a separate entry.
 
     ``load=True`` also loads it (``BuildResult.artifact``): a cached entry that ``kvtrace.load``
     refuses is then deleted and rebuilt, and ``notice`` (if given) gets one line saying so. A freshly
@@ -165,7 +167,7 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
     qspec = parse_quant(quant, quant_group_size, quant_head)
     path = entry_path(src, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
                       prefill_logits=prefill_logits, kv_dtype=kv_dtype, device=dev.type,
-                      quant=qspec.key if qspec else None)
+                      quant=qspec.key if qspec else None, slots=slots)
     refused: tuple[int, int, int] | None = None  # the stamp of the entry that failed to load
 
     def hit() -> BuildResult | None:
@@ -199,7 +201,8 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
         t0 = time.perf_counter()
         try:
             export(src, path, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size, backend=backend,
-                   prefill_logits=prefill_logits, progress=progress, kv_dtype=kv_dtype, device=dev, quant=qspec)
+                   prefill_logits=prefill_logits, progress=progress, kv_dtype=kv_dtype, device=dev, quant=qspec,
+                   slots=slots)
         except OSError as e:
             raise UsageError(f"could not write the cached artifact {path} ({e.strerror or e}); "
                              "set KVTRACE_CACHE to a writable folder with free space") from e

@@ -501,13 +501,13 @@ def _package_files(files: Any) -> list[str]:
 
 def _probe_inputs(manifest: Manifest, program: ProgramSpec, cache: list[torch.Tensor],
                   device: torch.device | None = None) -> list[torch.Tensor]:
-    """One call's inputs at position 0 with T = L = 1, over ``cache`` (allocated from the CacheSpec), on ``device``."""
+    """One call's inputs at position 0 with T = L = 1 (and R = 1), over ``cache`` (allocated from the CacheSpec),
+    on ``device``."""
     import torch
 
     spec, kw = manifest.cache_spec, {"dtype": torch.int64, "device": device}
-    flat = [torch.zeros(spec.batch_size, 1, **kw), torch.zeros(1, **kw)]
-    if program.key_pos:
-        flat.append(torch.zeros(1, **kw))
+    # tokens, input_pos (, key_pos, slots): T = L = R = 1, every id and position 0
+    flat = [torch.zeros(shape, **kw) for _, shape, _ in program.spine(spec.batch_size, 1, 1, 1)]
     for i in program.inputs:
         flat.append(torch.full(i.concrete(spec.batch_size, 1), i.default or 0.0, dtype=i.torch_dtype, device=device))
     return [*flat, *cache]

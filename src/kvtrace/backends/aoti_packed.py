@@ -2,8 +2,8 @@
 frozen into the library and prepacked for the CPU matmul kernels (bf16/fp16: also max-autotuned over
 Inductor's GEMM templates; see ``aoti.inductor_options``). The artifact's weights.safetensors is empty.
 
-Only for decoders whose programs are exactly prefill and decode, agreeing on their inputs and key_pos
-(one signature serves both); checked at export and again at load.
+Only for decoders whose programs are exactly prefill and decode, agreeing on their inputs, key_pos and
+slots (one signature serves both); checked at export and again at load.
 """
 
 from __future__ import annotations
@@ -36,7 +36,8 @@ class AotiPackedBackend(AotiBackend):
 
     def check_manifest(self, path: Path, manifest: Manifest) -> None:
         pre, dec = manifest.programs["prefill"], manifest.programs["decode"]
-        if (pre.inputs, pre.key_pos, pre.single_token, dec.single_token) != (dec.inputs, dec.key_pos, False, True):
+        if ((pre.inputs, pre.key_pos, pre.slots, pre.single_token, dec.single_token)
+                != (dec.inputs, dec.key_pos, dec.slots, False, True)):
             raise ArtifactError(f"{path}: an {self.name} artifact serves a T-symbolic prefill and a one-token decode "
                                 "with one program, but its manifest's program specs differ; re-export it")
 

@@ -197,7 +197,7 @@ class ExecuTorchBackend(Backend):
         import torch
         from torch.export import Dim
 
-        from kvtrace.capture.export import _dynamic_shapes, _example_input, _method_module
+        from kvtrace.capture.export import _dynamic_shapes, _example_input, method_module
         from kvtrace.capture.preserve import preserved
 
         spec = decoder.cache_spec
@@ -206,8 +206,8 @@ class ExecuTorchBackend(Backend):
         for p in programs:
             t = 1 if p.single_token or spec.max_seq_len < 2 else min(3, spec.max_seq_len)
             args = (torch.zeros(spec.batch_size, t, dtype=torch.int64), torch.arange(t),
-                    *(_example_input(i, spec.batch_size, t) for i in p.inputs))
-            module = _stateful_module(_method_module(decoder, p), spec, seq_major)
+                    *(_example_input(i, spec.batch_size, t, torch.device("cpu")) for i in p.inputs))
+            module = _stateful_module(method_module(decoder, p), spec, seq_major)
             shapes = (_dynamic_shapes(module, args, p, Dim("T", min=1, max=spec.max_seq_len), None)
                       if t > 1 else None)
             with torch.no_grad(), preserved(decoder, what=f"the model ({type(decoder).__name__})"):

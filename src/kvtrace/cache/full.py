@@ -3,7 +3,9 @@
     k, v: [B, H_kv, max_seq_len, D]; slot j holds position j once a program wrote it
 
 Written by every program (prefill and decode) at ``input_pos``; slots ``[0, position)`` are valid, the
-rest are stale or initial and masked by position, so rewinding only moves the position. In a
+rest are stale or initial and masked by position, so rewinding only moves the position. A slots program
+(``ProgramSpec.slots``: each batch row its own conversation) writes and reads rows ``slots [R]`` only, each
+at its own positions (``write_rows`` / ``read_rows``). In a
 transformers DynamicCache such a layer holds the P past tokens ``[B, H_kv, P, D]`` (label ``"self"``).
 """
 
@@ -32,6 +34,21 @@ class FullOps(KindOps):
         k_cache.index_copy_(2, input_pos, k)
         v_cache.index_copy_(2, input_pos, v)
 
+    def write_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [R, H_kv, T, D] into rows ``slots [R]`` of k_cache, v_cache [B, H_kv, S, D], row r at its slots
+        ``input_pos[r] [T]``: one scatter each, indexed [R, H_kv, T] (broadcast), the head dim kept whole."""
+        rows, heads, pos = _row_index(slots, k_cache.shape[1], input_pos)
+        k_cache[rows, heads, pos] = k
+        v_cache[rows, heads, pos] = v
+
+    def read_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  key_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``slots [R]`` of k_cache, v_cache [B, H_kv, S, D] at cache slots ``key_pos [L]``: one gather each,
+        indexed [R, H_kv, L] -> contiguous [R, H_kv, L, D]."""
+        rows, heads, keys = _row_index(slots, k_cache.shape[1], key_pos[None, :])
+        return k_cache[rows, heads, keys], v_cache[rows, heads, keys]
+
     def valid(self, k: torch.Tensor, v: torch.Tensor, position: int,
               prefilled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``position`` slots: [B, H_kv, position, D]."""
@@ -42,6 +59,13 @@ class FullOps(KindOps):
 
     def hf_length(self, label: str) -> str:
         return PAST
+
+
+def _row_index(slots: torch.Tensor, n_heads: int, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Advanced indices over [B, H_kv, S] that broadcast to [R, H_kv, T]: rows [R, 1, 1], heads [1, H_kv, 1],
+    positions [R or 1, 1, T] (``pos`` [R or 1, T])."""
+    heads = torch.arange(n_heads, device=slots.device)
+    return slots[:, None, None], heads[None, :, None], pos[:, None, :]
 
 
 OPS = FullOps()

@@ -35,23 +35,37 @@ def capture_programs(decoder: torch.nn.Module,
     eps = {}
     for p in programs if programs is not None else program_specs(decoder):
         # example length >= 2 keeps T symbolic; a one-slot cache has nothing to be symbolic about
-        # (and Dim refuses min == max), so its prefill is T = 1.
+        # (and Dim refuses min == max), so its prefill is T = 1. Likewise R (a slots program's rows).
         t = 1 if p.single_token else min(3, spec.max_seq_len)
-        # key_pos [L]: an example L unequal to T (and >= 2) keeps L its own symbol
-        keys = (torch.arange(t + 2, device=dev),) if p.key_pos else ()
+        r = min(2, spec.batch_size)
         if p.key_pos and spec.max_seq_len < t + 2:
             raise CaptureError(f"program {p.name} takes key_pos, which needs max_seq_len >= {t + 2}; "
                                f"this cache holds {spec.max_seq_len}")
-        args = (torch.zeros(spec.batch_size, t, dtype=torch.int64, device=dev), torch.arange(t, device=dev), *keys,
+        args = (*_example_spine(p, spec.batch_size, t, r, dev),
                 *(_example_input(i, spec.batch_size, t, dev) for i in p.inputs), *spec.allocate(dev))
         method = method_module(decoder, p)
         shapes = None
-        if t > 1 or p.key_pos:
+        if t > 1 or p.key_pos or (p.slots and r > 1):
             shapes = _dynamic_shapes(method, args, p, Dim("T", min=1, max=spec.max_seq_len) if t > 1 else None,
-                                     Dim("L", min=1, max=spec.max_seq_len))
+                                     Dim("L", min=1, max=spec.max_seq_len),
+                                     Dim("R", min=1, max=spec.batch_size) if p.slots and r > 1 else None)
         with torch.no_grad(), preserved(decoder, what=f"the model ({type(decoder).__name__})"):
             eps[p.name] = torch.export.export(method, args, dynamic_shapes=shapes, strict=False)
     return eps
+
+
+def _example_spine(p: ProgramSpec, batch: int, t: int, r: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """tokens, input_pos (, key_pos [t + 2]: an example L unequal to T and >= 2 keeps L its own symbol)
+    (, slots: rows 0 .. r-1, each at positions 0 .. t-1), on ``device``."""
+    out = []
+    for name, shape, _ in p.spine(batch, t, rows=r, keys=t + 2):
+        if name == "tokens":
+            out.append(torch.zeros(shape, dtype=torch.int64, device=device))
+        elif name == "input_pos":
+            out.append(torch.arange(t, device=device).expand(shape).contiguous())
+        else:  # key_pos [L], slots [R]
+            out.append(torch.arange(shape[0], device=device))
+    return tuple(out)
 
 
 def _example_input(i: InputSpec, batch: int, t: int, device: torch.device) -> torch.Tensor:
@@ -101,10 +115,11 @@ def with_prefill_logits(programs: tuple[ProgramSpec, ...], logits: str, decoder:
 
 
 def _dynamic_shapes(fn: torch.nn.Module, args: tuple[Any, ...], program: ProgramSpec, t: Any,
-                    n_keys: Any) -> tuple[Any, ...]:
+                    n_keys: Any, rows: Any = None) -> tuple[Any, ...]:
     """``dynamic_shapes`` shaped like ``fn.forward``'s parameters: T symbolic (``t``; None for a
     one-token program) in tokens, input_pos and every declared input dim named "T"; L (``n_keys``) in
-    key_pos; the cache is static.
+    key_pos; R (``rows``; None for a one-row cache) in a slots program's tokens, input_pos and slots;
+    the cache is static.
 
     torch.export matches ``dynamic_shapes`` to the signature, so ``forward(tokens, input_pos, *state)``
     needs ``(tok, pos, (None, ...))`` while ``forward(tokens, input_pos, k0, v0, bias)`` needs a flat tuple.
@@ -112,16 +127,17 @@ def _dynamic_shapes(fn: torch.nn.Module, args: tuple[Any, ...], program: Program
     inputs = program.inputs
     per_input = [{d: t for d, size in enumerate(i.shape) if size == "T"} or None if t is not None else None
                  for i in inputs]
-    keys = [{0: n_keys}] if program.key_pos else []
-    spine = [{1: t}, {0: t}] if t is not None else [None, None]
-    n_state = len(args) - 2 - len(keys) - len(inputs)
-    flat = [*spine, *keys, *per_input, *[None] * n_state]
+    sizes = {"T": t, "L": n_keys, "R": rows}
+    spine = [{d: sizes[s] for d, s in enumerate(shape) if sizes.get(s) is not None} or None
+             for _, shape, _ in program.spine()]  # tokens, input_pos (, key_pos, slots)
+    n_state = len(args) - len(spine) - len(inputs)
+    flat = [*spine, *per_input, *[None] * n_state]
     sig = inspect.signature(fn.forward)
     try:
         bound = sig.bind(*args).arguments
     except TypeError as e:
         raise CaptureError(
-            f"{type(fn).__name__}.forward{sig} cannot take (tokens, input_pos, {'key_pos, ' if keys else ''}"
+            f"{type(fn).__name__}.forward{sig} cannot take ({', '.join(n for n, _, _ in program.spine())}, "
             f"{len(inputs)} input(s), *state) with {n_state} state tensors (its cache_spec's buffers): {e}"
         ) from e
     out: list[Any] = []

@@ -10,10 +10,32 @@ from kvtrace.cli.ui import UI, output_file
 
 
 def cmd_bench(args: argparse.Namespace, ui: UI) -> int:
+    if args.serve:
+        return cmd_bench_serve(args, ui)
     from kvtrace.tools.bench import run_cli_bench
 
     with output_file(args.json, "--json"), output_file(args.plot, "--plot"):
         return run_cli_bench(args, ui)
+
+
+def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
+    """``kvtrace bench --serve``: kvtrace serve under 1, 2, 4, 8 concurrent clients (kvtrace.serve.bench)."""
+    import json
+    from pathlib import Path
+
+    from kvtrace.serve.bench import render_markdown, run_serve_bench
+
+    clients = tuple(int(x) for x in str(args.clients).split(","))
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    backend = backends[0] if len(backends) == 1 else "aoti"  # the default list names several: serve aoti
+    with output_file(args.json, "--json"):
+        data = run_serve_bench(args.model, clients=clients, requests_per_client=args.requests, new_tokens=args.new_tokens,
+                               max_seq_len=args.max_seq_len, backend=backend, baseline_runs=args.runs,
+                               check=not args.no_check, threads=args.threads, progress=ui.step)
+        if args.json:
+            Path(args.json).write_text(json.dumps(data, indent=2))
+    ui.out.print(render_markdown(data), markup=False, highlight=False, soft_wrap=True)
+    return 0 if all(lv["mismatches"] == 0 for lv in data["levels"]) else 1
 
 
 def register(add: Callable[..., argparse.ArgumentParser]) -> None:
@@ -29,6 +51,14 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--runs", type=POSITIVE, default=3)
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     quant_args(p, many=True)
+    p.add_argument("--serve", action="store_true",
+                   help="measure kvtrace serve instead: aggregate tokens/s, time to first token and inter-token "
+                        "latency for --clients concurrent clients (a server process on the model's slots artifact; "
+                        "--backends names its one backend, default aoti), answers checked against solo runs")
+    p.add_argument("--clients", type=int_list, default="1,2,4,8", help="with --serve: concurrency levels")
+    p.add_argument("--requests", type=POSITIVE, default=2, help="with --serve: requests per client per level")
+    p.add_argument("--no-check", action="store_true",
+                   help="with --serve: skip the solo runs that check every answer (timing only)")
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also measure decode speed against context position and plot it (needs matplotlib)")
     device_arg(p, what="where every backend runs; artifacts are compiled for it (default cpu)")

@@ -19,7 +19,7 @@ def cmd_export(args: argparse.Namespace, ui: UI) -> int:
         path = export(args.source, args.output, max_seq_len=args.max_seq_len, dtype=args.dtype, backend=args.backend,
                       image_tokens=args.image_tokens, prefill_logits=args.prefill_logits, progress=ui.step,
                       kv_dtype=args.kv_dtype, device=args.device, quant=args.quant,
-                      quant_group_size=args.quant_group_size, quant_head=args.quant_head)
+                      quant_group_size=args.quant_group_size, quant_head=args.quant_head, slots=args.slots)
     info = {"path": str(path), "bytes": path.stat().st_size, "seconds": round(time.perf_counter() - t0, 2)}
     if ui.json_mode:
         print(json.dumps(info))
@@ -46,6 +46,10 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--prefill-logits", choices=("last", "all"), default="last",
                    help="last (default): prefill returns the last position's logits, all a generation needs "
                         "(the vocabulary projection runs on one row); all: every prompt position's, for scoring")
+    p.add_argument("--slots", type=POSITIVE, default=None, metavar="N",
+                   help="N conversation slots for `kvtrace serve --parallel N`: a cache of N rows and programs that "
+                        "prefill one slot and decode all active slots together, each at its own position "
+                        "(llama-family models)")
     kv_dtype_arg(p)
     device_arg(p, what="the device the programs are compiled for: cpu (default), or cuda (AOTInductor compiles CUDA "
                        "kernels; needs a GPU here and where the artifact runs)")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvtrace import __version__
 from kvtrace._errors import CaptureError, KvtraceError
-from kvtrace.cli import bench, cache, chat, export, generate, lint, run, verify
+from kvtrace.cli import bench, cache, chat, export, generate, lint, run, serve, verify
 from kvtrace.cli.args import Parser, common
 from kvtrace.cli.ui import UI
 
@@ -28,6 +28,8 @@ EXAMPLES = {
     "verify": 'kvtrace verify smollm2-135m-instruct --against jit,exported --steps 8 --json report.json',
     "lint": "kvtrace lint smollm2-135m-instruct --json lint.json",
     "cache": "kvtrace cache list\n  kvtrace cache clear",
+    "serve": "kvtrace serve --parallel 8            (the default model; OpenAI API on http://127.0.0.1:8000/v1)\n"
+             "  kvtrace serve smollm2-slots8.kvt --port 8080 --api-key sk-local",
     "bench": "kvtrace bench --backends hf-eager,exported,aoti --new-tokens 128 --json bench.json --plot bench.png",
 }
 
@@ -54,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.register(add)
     lint.register(add)
     cache.register(add)
+    serve.register(add)
     bench.register(add)
     return parser
 

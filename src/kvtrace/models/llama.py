@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import attend
+from kvtrace.cache import attend, full
 from kvtrace.models import fused
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
@@ -89,7 +89,8 @@ def _qkv(a: LlamaArgs, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: t
 
 
 def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, input_pos: torch.Tensor,
-                     mask: torch.Tensor, layer: LayerState, key_pos: torch.Tensor | None, ring: bool) -> torch.Tensor:
+                     mask: torch.Tensor, layer: LayerState, key_pos: torch.Tensor | None, ring: bool,
+                     slots: torch.Tensor | None = None) -> torch.Tensor:
     """The one place a layer touches its cache: write k, v [B, H_kv, T, D] at input_pos and attend -> [B, H, T, D].
 
     What it reads and writes per kind and kv_dtype is ``cache.attend.update``'s: a full layer attends over
@@ -98,7 +99,15 @@ def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     The live prefix is gathered ([B, H_kv, L, D], a copy of L slots). Measured on SmolLM2 fp32 (decode
     tokens/s at position 32 / 300 / 900): gather 47.0 / 42.6 / 35.7; one SDPA per KV head over contiguous
     per-head slices (no copy) 43.7 / 40.1 / 36.6; all max_seq_len slots with a mask 37.0 / - / 37.7.
+    ``slots [R]`` (a slots program; full layers, K/V in the model's dtype): q, k, v are rows ``slots`` of the
+    cache, row r written at ``input_pos[r]`` ([R, T]) and attending over its slots ``key_pos`` with mask
+    [R, 1, T, L].
     """
+    if slots is not None:
+        full.OPS.write_rows(layer.k, layer.v, slots, input_pos, k, v)  # row slots[r], slots input_pos[r]
+        keys, values = full.OPS.read_rows(layer.k, layer.v, slots, key_pos)  # [R, H_kv, L, D]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.attention_scale,
+                                              enable_gqa=True)  # [R, H, T, D]
     if not ring and layer.scales is None:  # a backend's own kernels, only while one substitutes them for a
         o = fused.attention(q, k, v, input_pos, layer.k, layer.v, a.attention_scale)  # capture (models/fused.py)
         if o is not None:
@@ -119,18 +128,19 @@ def _residual(a: LlamaArgs, x: torch.Tensor, out: torch.Tensor, norm: torch.Tens
 
 def self_attention_block(a: LlamaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, mask: torch.Tensor, kv: LayerState, key_pos: torch.Tensor | None = None,
-                         ring: bool = False, rope: bool = True) -> torch.Tensor:
+                         ring: bool = False, rope: bool = True, slots: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer: attention over the cache (``cached_attention``), then the SwiGLU MLP.
 
     x [B, T, dim]; cos/sin [T, D_rot]; ``kv``: the layer's cache state (k/v [B, H_kv, S, D], and an int8 cache's
     scales); mask, key_pos, ring: see ``cached_attention``. ``rope`` False: this layer applies no RoPE
-    (SmolLM3). Pre-norm sublayers, or
+    (SmolLM3). ``slots``: a slots program's rows (x [R, T, dim], cos/sin [R, 1, T, D_rot], input_pos [R, T];
+    see ``cached_attention``). Pre-norm sublayers, or
     with ``a.post_norms`` the norms on each sublayer's output (``_residual``).
     """
     b, t, _ = x.shape
     h = x if a.post_norms else _norm(a, x, layer.attn_norm)
     q, k, v = _qkv(a, layer, h, cos, sin, rope)
-    o = cached_attention(a, q, k, v, input_pos, mask, kv, key_pos, ring)  # [B, H, T, D]
+    o = cached_attention(a, q, k, v, input_pos, mask, kv, key_pos, ring, slots)  # [B, H, T, D]
     x = _residual(a, x, layer.wo(o.transpose(1, 2).reshape(b, t, a.n_heads * a.head_dim)), layer.attn_norm)
     h = x if a.post_norms else _norm(a, x, layer.ffn_norm)
     return _residual(a, x, swiglu(layer, h), layer.ffn_norm)
@@ -143,7 +153,7 @@ def swiglu(layer: nn.Module, h: torch.Tensor) -> torch.Tensor:
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, T, D]; cos/sin [T, D_rot] (HF's rotate-half convention). D_rot < D (a partial rotary table,
+    """x [B, H, T, D]; cos/sin [T, D_rot], or [B, 1, T, D_rot] per row (HF's rotate-half convention). D_rot < D (a partial rotary table,
     Phi-3's partial_rotary_factor): the first D_rot features rotate, the rest pass (shapes: a trace-time choice)."""
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
@@ -157,6 +167,7 @@ class LlamaDecoder(Step):
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
     fused_attention = True  # every full layer's attention goes through cached_attention (models/fused.py)
+    runs_slots = True  # forward_slots: full-attention layers, K/V in the model's dtype (``step.slot_programs``)
 
     def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                  rope_long: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -179,23 +190,29 @@ class LlamaDecoder(Step):
         self.programs = programs_for(spec)
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,
-             state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+             state: tuple[torch.Tensor, ...], slots: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T], input_pos [T]; or (``slots [R]``, a slots program) tokens [R, T], input_pos [R, T]."""
         a = self.args
         x = self.tok_embeddings(tokens)  # [B, T, dim]
         if a.embedding_multiplier != 1.0:  # LlamaArgs fields: trace-time constants, never runtime branches
             x = x * a.embedding_multiplier
-        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D_rot]
+        cos, sin = self.rope_cos[input_pos], self.rope_sin[input_pos]  # [T, D_rot] ([R, T, D_rot] with slots)
         if a.rope_switch is not None:  # longrope, as HF: all of a call's positions go long once its last passes
-            long = input_pos.max() + 1 > a.rope_switch  # [] (a tensor: the cache keeps what each call wrote)
+            # [] (a tensor: the cache keeps what each call wrote); per row [R, 1, 1] with slots
+            long = (input_pos.max() if slots is None else input_pos.amax(-1, keepdim=True)[..., None]) + 1 > a.rope_switch
             cos = torch.where(long, self.rope_cos_long[input_pos], cos)
             sin = torch.where(long, self.rope_sin_long[input_pos], sin)
         keys = key_pos if key_pos is not None else torch.arange(self.cache_spec.max_seq_len, device=tokens.device)
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
-        mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
+        if slots is None:
+            mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
+        else:  # each row by its own positions: [R, 1, T, L]; RoPE per row, broadcast over heads
+            mask = (keys[None, None, :] <= input_pos[:, :, None])[:, None]
+            cos, sin = cos[:, None], sin[:, None]  # [R, 1, T, D_rot]
         for i, layer in enumerate(self.layers):
             kv = self.cache_spec.layer_state(state, i)  # k, v (+ an int8 cache's scales)
             x = self_attention_block(a, layer, x, input_pos, cos, sin, mask, kv, key_pos, ring=self._rings[i],
-                                     rope=i not in a.no_rope)
+                                     rope=i not in a.no_rope, slots=slots)
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
         logits = self.output(_norm(a, x, self.norm))  # [B, T or 1, V]

@@ -82,7 +82,10 @@ def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> to
     """logits [B, V] -> next token ids [B, 1]."""
     if s.temperature == 0:
         return logits.argmax(-1, keepdim=True)
-    logits = logits.float() / s.temperature
+    # shifted so the largest is 0 and kept at 0: a temperature so small it rounds to 0 in float32 (1e-300) then
+    # sends the rest to -inf (greedy, its limit) instead of 0 / 0 = nan
+    shifted = logits.float() - logits.float().max(-1, keepdim=True).values
+    logits = torch.where(shifted == 0, 0.0, shifted / s.temperature)
     if s.top_k is not None:
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -67,7 +67,7 @@ class Manifest(ModelInfo):
     # stored weight name -> {"shape": [...], "dtype": "float32"} (write_artifact fills it)
     weights: dict[str, dict[str, Any]] = field(default_factory=dict)
     # compiled/serialized program name -> flat user inputs [{"shape": [ints / symbol names], "dtype"}], in
-    # call order: tokens, input_pos, (key_pos), declared inputs, cache buffers (``program_signature``)
+    # call order: tokens, input_pos, (key_pos), (slots), declared inputs, cache buffers (``program_signature``)
     signatures: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     # the device type the programs were compiled for ("cpu" or "cuda", ``spec.device``); omitted when "cpu",
     # so a CPU artifact's manifest reads as before devices were recorded
@@ -169,7 +169,7 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "cache_spec": (lambda v: isinstance(v, dict), "an object"),
     "vocab_size": (lambda v: _is_int(v, 1), "an int >= 1"),
     "programs": (_dict_of(lambda x: isinstance(x, dict) and all(
-        isinstance(x.get(k, False), bool) for k in ("single_token", "once", "key_pos")) and all(
+        isinstance(x.get(k, False), bool) for k in ("single_token", "once", "key_pos", "slots")) and all(
         isinstance(x.get(k, ""), str) for k in ("method", "logits", "signature"))), "an object of program specs"),
     "members": (_dict_of(lambda x: isinstance(x, dict) and set(x) == {"size", "sha256"} and _is_int(x["size"])
                          and isinstance(x["sha256"], str) and re.fullmatch("[0-9a-f]{64}", x["sha256"]) is not None),
@@ -219,9 +219,7 @@ def expected_inputs(manifest: Manifest, program: ProgramSpec,
     spec = manifest.cache_spec
     b = spec.batch_size
     t: int | str = 1 if program.single_token else ("T" if spec.max_seq_len > 1 else 1)
-    out: list[tuple[str, tuple[int | str, ...], str]] = [("tokens", (b, t), "int64"), ("input_pos", (t,), "int64")]
-    if program.key_pos:
-        out.append(("key_pos", ("L",), "int64"))
+    out = program.spine(b, t, rows="R" if b > 1 else 1)  # tokens, input_pos (, key_pos, slots)
     for i in program.inputs:
         out.append((i.name, tuple(b if d == "B" else t if d == "T" else d for d in i.shape), i.dtype))
     if cache:
@@ -232,7 +230,7 @@ def expected_inputs(manifest: Manifest, program: ProgramSpec,
 def compare_inputs(path: Path, what: str, expected: list[tuple[str, tuple[int | str, ...], str]],
                    actual: list[tuple[tuple[int | str, ...], str]]) -> None:
     """``actual`` ((shape, dtype) per flat input, in call order) against ``expected``; symbolic sizes
-    ("T", "L") match any size. One ArtifactError naming the first input that differs."""
+    ("T", "L", "R") match any size. One ArtifactError naming the first input that differs."""
     def fmt(shape: tuple[int | str, ...] | list[Any], dtype: str) -> str:
         return f"{dtype} [{', '.join(map(str, shape))}]"
 

@@ -18,6 +18,12 @@ Invariants (checked in ``__post_init__``):
     position after the call (symbolic, 1..max_seq_len), and its self-attention reads cache slots
     ``[0, L)`` only — the live prefix — instead of all max_seq_len slots. The caller (a Session) builds
     it from its position; nothing in the program reads a length from a tensor's values.
+  * ``slots``: the cache's B rows are independent conversation slots (``kvtrace serve``). The program
+    advances R of them (R symbolic, 1..B), named by ``slots [R] int64`` after ``key_pos``, each at its own
+    positions: ``tokens [R, T]``, ``input_pos [R, T]``, logits ``[R, T or 1, V]``. Its self-attention
+    reads, per row, the slots of ``key_pos`` (L = the longest row's position after the call), masked by
+    that row's own positions. A prefill with R = 1 fills one slot; a one-token program with R rows
+    decodes every active slot in one step. Needs ``key_pos``; takes no declared inputs.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from kvtrace._errors import ArtifactError, UsageError
 __all__ = ["DEFAULT_PROGRAMS", "InputSpec", "ProgramSpec", "program_specs", "read_inputs_file"]
 
 SYMBOLS = ("B", "T")
+SPINE = ("tokens", "input_pos", "key_pos", "slots")  # names a declared input cannot take
 LOGITS = ("all", "last")
 
 
@@ -50,8 +57,8 @@ class InputSpec:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(self.shape))
-        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name in ("tokens", "input_pos"):
-            raise UsageError(f"program input name must be an identifier other than tokens/input_pos, got {self.name!r}")
+        if not isinstance(self.name, str) or not self.name.isidentifier() or self.name in SPINE:
+            raise UsageError(f"program input name must be an identifier other than {'/'.join(SPINE)}, got {self.name!r}")
         for d in self.shape:
             if not (d in SYMBOLS or (isinstance(d, int) and not isinstance(d, bool) and d >= 1)):
                 raise UsageError(f"input {self.name}: shape entries are ints >= 1 or one of {SYMBOLS}, got {d!r}")
@@ -81,6 +88,7 @@ class ProgramSpec:
     once: bool = False
     logits: str = "all"  # "all": logits [B, T, V]; "last": [B, 1, V], the last position's only
     key_pos: bool = False  # takes key_pos [L] after input_pos: attention reads cache slots [0, L) only
+    slots: bool = False  # advances the cache rows slots [R] (after key_pos), each at its own input_pos [R, T]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -89,16 +97,37 @@ class ProgramSpec:
         names = [i.name for i in self.inputs]
         if len(set(names)) != len(names):
             raise UsageError(f"program {self.name}: input names must be unique, got {names}")
+        if self.slots and (not self.key_pos or self.inputs or self.once):
+            raise UsageError(f"program {self.name}: a slots program takes key_pos and no declared inputs and is not "
+                             f"`once`; got key_pos={self.key_pos}, inputs {names}, once={self.once}")
+
+    def spine(self, batch: int | str = "B", t: int | str = "T", rows: int | str = "R",
+              keys: int | str = "L") -> list[tuple[str, tuple[int | str, ...], str]]:
+        """(name, shape, dtype) of the inputs before the declared ones, in call order: tokens, input_pos,
+        then key_pos and slots when the program takes them. Sizes are the given ints, or symbols; ``t`` is
+        replaced by 1 for a one-token program, ``batch`` by ``rows`` for a slots program."""
+        t = 1 if self.single_token else t
+        if self.slots:
+            out = [("tokens", (rows, t), "int64"), ("input_pos", (rows, t), "int64")]
+        else:
+            out = [("tokens", (batch, t), "int64"), ("input_pos", (t,), "int64")]
+        if self.key_pos:
+            out.append(("key_pos", (keys,), "int64"))
+        if self.slots:
+            out.append(("slots", (rows,), "int64"))
+        return out
 
     def signature(self) -> str:
-        t = "1" if self.single_token else "T"
+        spine = ", ".join(f"{n}[{','.join(map(str, shape))}] {dtype}" for n, shape, dtype in self.spine())
         extra = "".join(f", {i.describe()}" for i in self.inputs)
-        out = "1" if self.logits == "last" else t
-        keys = ", key_pos[L] int64" if self.key_pos else ""
-        return f"(tokens[B,{t}] int64, input_pos[{t}] int64{keys}{extra}, *cache) -> logits[B,{out},V]"
+        rows = "R" if self.slots else "B"
+        out = "1" if self.logits == "last" or self.single_token else "T"
+        return f"({spine}{extra}, *cache) -> logits[{rows},{out},V]"
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        if not self.slots:
+            del d["slots"]  # a plain program's manifest entry reads as before slot programs existed
         d["inputs"] = [{**asdict(i), "shape": list(i.shape)} for i in self.inputs]
         d["signature"] = self.signature()
         return d
@@ -136,9 +165,10 @@ def program_specs(decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
     if "prefill" not in names or "decode" not in names or len(set(names)) != len(names):
         raise UsageError(f"a Decoder declares unique programs including 'prefill' and 'decode'; got {names}")
     by = {p.name: p for p in specs}
-    if by["prefill"].key_pos != by["decode"].key_pos:
-        raise UsageError(f"a Decoder's prefill and decode programs must agree on key_pos; got prefill "
-                         f"{by['prefill'].key_pos}, decode {by['decode'].key_pos}")
+    for flag in ("key_pos", "slots"):
+        if getattr(by["prefill"], flag) != getattr(by["decode"], flag):
+            raise UsageError(f"a Decoder's prefill and decode programs must agree on {flag}; got prefill "
+                             f"{getattr(by['prefill'], flag)}, decode {getattr(by['decode'], flag)}")
     return specs
 
 

@@ -462,7 +462,9 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
                     cands.append(Unavailable(a, f"export ({a}) {_describe(e)}"))
         for f in args.artifact:
             try:
-                cands.append(SessionRunner(load(f, device=device).session(), Path(f).name))
+                art = load(f, device=device)  # a slots artifact: its last slot, driven like a Session
+                session = art.slot_session() if art.manifest.programs["prefill"].slots else art.session()
+                cands.append(SessionRunner(session, Path(f).name))
             except Exception as e:
                 cands.append(Unavailable(Path(f).name, f"loading {f} {_describe(e)}"))
         with step(f"verifying {len(cands)} candidate(s) on {len(prompts)} prompts x (prefill + {args.steps} steps)"):

@@ -1,0 +1,412 @@
+"""SlotEngine: many conversations at once over one batched cache (continuous batching).
+
+The cache's B rows are conversation slots: an artifact exported with ``slots=N`` holds programs of
+``ProgramSpec.slots`` (``models.step.SLOT_PROGRAMS``). ``admit`` prefills one request into a free slot
+(``prefill`` with R = 1 row) and samples its first token; ``step`` decodes one token for every active slot
+at once (``decode`` with R = the active rows, each at its own position), which reads the weights once for
+all of them. Requests join and leave between steps; a slot is reset when it is freed (the cache positions it
+wrote refilled with the declared initial value), so an idle engine's cache holds only initial values.
+
+An artifact of the ordinary programs with batch 1 (a Session's prefill and decode) runs as an engine of one
+slot; the program specs say which inputs each call takes (``ProgramSpec.spine``).
+
+    engine = artifact.slot_engine()
+    slot, first = engine.admit(SlotRequest(prompt_ids, max_tokens=64, sampling=Sampling(), stop_ids=eos))
+    while engine.active:
+        for event in engine.step(): ...          # SlotEvent(slot, token, text, finish)
+
+Invariants:
+- every position and slot index handed to a program is a tensor built here from host-side ints
+  (``input_pos [R, T]``, ``key_pos [L]`` with L = the longest row's end, ``slots [R]``); nothing is read
+  back from a tensor to decide a shape;
+- a request is checked (prompt length and ``max_tokens`` against ``max_seq_len``, token ids against the
+  vocabulary, stop strings needing text) before any slot is touched: a refused request changes nothing;
+- rows never mix: row r reads and writes only cache row ``slots[r]``, at its own positions;
+- not thread-safe: one thread owns an engine (``kvtrace serve``'s model thread).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtrace._errors import CacheOverflowError, UsageError
+from kvtrace.runtime.generate import Sampling, _TextStream, sample
+from kvtrace.spec.cache import CacheSpec
+from kvtrace.spec.program import ProgramSpec
+
+__all__ = ["FinishReason", "SlotEngine", "SlotEvent", "SlotRequest", "SlotSession"]
+
+Program = Callable[..., torch.Tensor]
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request stopped. ``openai``: the API's finish_reason ("stop" or "length")."""
+
+    EOS = "eos"  # a stop id (the model's end of turn), not part of the output
+    STOP = "stop"  # a stop string appeared; the text ends before it
+    MAX_TOKENS = "max_tokens"
+    MAX_SEQ_LEN = "max_seq_len"  # the slot's cache is full
+    CANCELLED = "cancelled"  # ``cancel`` (e.g. the client went away)
+
+    @property
+    def openai(self) -> str:
+        return "stop" if self in (FinishReason.EOS, FinishReason.STOP) else "length"
+
+
+@dataclass(frozen=True)
+class SlotRequest:
+    """One generation: ``prompt`` token ids, at most ``max_tokens`` new tokens (None: until the slot's
+    cache is full), per-request ``sampling`` (temperature, top_k, top_p, seed), ``stop_ids`` (e.g. the
+    artifact's eos ids; the id itself is not output) and ``stop`` strings (the text ends before the first)."""
+
+    prompt: Sequence[int]
+    max_tokens: int | None = None
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_ids: Sequence[int] = ()
+    stop: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class SlotEvent:
+    """What one slot produced in one call: a new ``token`` (None when it finished without one: a stop id,
+    or cancelled), the ``text`` it completes (held back while it may begin a stop string or end inside a
+    multi-byte character), and ``finish`` once the request is done (its slot is then free)."""
+
+    slot: int
+    token: int | None
+    text: str
+    finish: FinishReason | None = None
+
+
+class _Active:
+    """One admitted request's state: its position in its row, the token to feed next, its output."""
+
+    def __init__(self, request: SlotRequest, limit: int, decode_text: Callable[[list[int]], str] | None):
+        s = request.sampling
+        self.request = request
+        self.limit = limit  # at most this many new tokens (max_tokens, or what the cache leaves)
+        self.gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
+        self.greedy = s.temperature == 0
+        self.stop_ids = frozenset(request.stop_ids)
+        self.position = 0  # tokens in this slot's cache row
+        self.written = 0  # cache positions written since the slot was last reset (reset refills these)
+        self.last = -1  # the sampled token the next decode feeds
+        self.tokens: list[int] = []
+        self.stream = _TextStream(decode_text) if decode_text is not None else None
+        self.text = ""  # all text so far
+        self.sent = 0  # characters of it handed out in events
+
+
+class SlotEngine:
+    """N conversation slots over one cache of N rows (see the module docstring).
+
+    ``programs``: name -> (ProgramSpec, callable) holding ``prefill`` and ``decode``, both slots programs over
+    ``spec`` (or, for a one-slot engine, the ordinary programs of a batch-1 artifact). ``max_seq_len``: the
+    most tokens (prompt + completion) a slot holds, at most the cache's (default: the cache's).
+    ``decode_text``: token ids -> text (the tokenizer's decode), needed for text and stop strings.
+    """
+
+    def __init__(self, spec: CacheSpec, programs: Mapping[str, tuple[ProgramSpec, Program]], *,
+                 vocab_size: int | None = None, max_seq_len: int | None = None,
+                 decode_text: Callable[[list[int]], str] | None = None, device: str = "cpu"):
+        (pre_spec, self._prefill), (dec_spec, self._decode) = programs["prefill"], programs["decode"]
+        self._pre_spec, self._dec_spec = pre_spec, dec_spec
+        if pre_spec.slots != dec_spec.slots or (not pre_spec.slots and spec.batch_size != 1):
+            raise UsageError(
+                f"this artifact's programs take {spec.batch_size} rows at shared positions (prefill slots="
+                f"{pre_spec.slots}, decode slots={dec_spec.slots}); a SlotEngine needs slot programs (export with "
+                "slots=N / --slots N) or a batch-1 artifact (one slot)")
+        if pre_spec.slots and spec.extra:
+            raise UsageError(f"slot programs over a cache with extra state {[b.name for b in spec.extra]} are not "
+                             "supported; export without slots")
+        if max_seq_len is not None and not (isinstance(max_seq_len, int) and 1 < max_seq_len <= spec.max_seq_len):
+            raise UsageError(f"max_seq_len must be a whole number in [2, {spec.max_seq_len}] (the artifact's cache), "
+                             f"got {max_seq_len!r}")
+        self.spec = spec
+        self.max_seq_len = max_seq_len or spec.max_seq_len
+        self.n_slots = spec.batch_size
+        self._vocab = vocab_size
+        self._decode_text = decode_text
+        self._device = torch.device(device)
+        self._state = spec.allocate(device)  # [N, H_kv, S, D] per k/v buffer: row i is slot i
+        self._inits = [b.init for b in spec.buffers()]
+        self._slots: dict[int, _Active] = {}
+
+    # --- what is running ------------------------------------------------------------------------------
+    @property
+    def active(self) -> tuple[int, ...]:
+        """Slots holding a request, in slot order."""
+        return tuple(sorted(self._slots))
+
+    @property
+    def free(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_slots) if i not in self._slots)
+
+    @property
+    def state(self) -> tuple[torch.Tensor, ...]:
+        """The cache tensors (read-only view, for tests and inspection)."""
+        return tuple(self._state)
+
+    def position(self, slot: int) -> int:
+        """Tokens in ``slot``'s cache row (0 for a free slot)."""
+        a = self._slots.get(slot)
+        return a.position if a is not None else 0
+
+    def output(self, slot: int) -> tuple[list[int], str]:
+        """The tokens and text an active slot generated so far."""
+        a = self._slots[slot]
+        return list(a.tokens), a.text
+
+    # --- requests -------------------------------------------------------------------------------------
+    def check(self, request: SlotRequest) -> int:
+        """Validate ``request`` against this engine; return its new-token limit. Raises UsageError, or
+        CacheOverflowError naming ``max_seq_len`` when prompt + max_tokens does not fit a slot."""
+        if not isinstance(request, SlotRequest):
+            raise UsageError(f"admit takes a kvtrace.SlotRequest, got {type(request).__name__}")
+        prompt = request.prompt
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise UsageError(f"a request's prompt is a list of token ids, got {type(prompt).__name__}")
+        for i in prompt:
+            if isinstance(i, bool) or not hasattr(i, "__index__"):
+                raise UsageError(f"a request's prompt holds integer token ids; got {type(i).__name__} {i!r}")
+            i = operator.index(i)
+            if i < 0 or (self._vocab is not None and i >= self._vocab):
+                raise UsageError(f"token id {i} is outside the vocabulary [0, {self._vocab})")
+        n, limit = len(prompt), self.max_seq_len
+        if n == 0:
+            raise UsageError("the prompt is empty; give at least one token")
+        if n >= limit:
+            raise CacheOverflowError(f"the prompt has {n} tokens; this model's context is max_seq_len={limit} tokens "
+                                     "(prompt and completion together), so at most "
+                                     f"{limit - 1} prompt tokens leave room for an answer. Shorten the prompt")
+        m = request.max_tokens
+        if m is not None:
+            if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+                raise UsageError(f"max_tokens must be a whole number >= 1, got {m!r}")
+            if n + m > limit:
+                raise CacheOverflowError(
+                    f"the prompt ({n} tokens) plus max_tokens ({m}) is {n + m} tokens; this model's context is "
+                    f"max_seq_len={limit} tokens. Lower max_tokens to at most {limit - n} or shorten the prompt")
+        if not isinstance(request.sampling, Sampling):
+            raise UsageError(f"sampling must be a kvtrace.Sampling, got {type(request.sampling).__name__}")
+        stops = request.stop
+        if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
+            raise UsageError(f"stop must be a list of non-empty strings, got {stops!r}")
+        if stops and self._decode_text is None:
+            raise UsageError("stop strings need text: give the engine decode_text (the artifact's tokenizer)")
+        return m if m is not None else limit - n
+
+    def admit(self, request: SlotRequest) -> tuple[int, SlotEvent]:
+        """Prefill ``request`` into a free slot and sample its first token: (slot, its first SlotEvent).
+        Raises UsageError when every slot is busy (nothing changes), or what ``check`` raises."""
+        limit = self.check(request)
+        free = self.free
+        if not free:
+            raise UsageError(f"all {self.n_slots} slots are busy; wait for a request to finish (step) or cancel one")
+        slot = free[0]
+        a = _Active(request, limit, self._decode_text)
+        n = len(request.prompt)
+        tokens = torch.tensor([list(request.prompt)], dtype=torch.int64, device=self._device)  # [1, T]
+        self._slots[slot] = a
+        try:
+            with torch.inference_mode():
+                logits = self._run(self._prefill, self._pre_spec, tokens, [0], [slot], n)[:, -1]  # [1, V]
+        except BaseException:
+            del self._slots[slot]
+            self._reset(slot, n)
+            raise
+        a.position = a.written = n
+        return slot, self._emit([slot], logits)[0]
+
+    def step(self) -> list[SlotEvent]:
+        """Decode one token for every active slot at once; one SlotEvent per slot (finished ones are freed)."""
+        rows = self.active
+        if not rows:
+            return []
+        acts = [self._slots[s] for s in rows]
+        tokens = torch.tensor([[a.last] for a in acts], dtype=torch.int64, device=self._device)  # [R, 1]
+        with torch.inference_mode():
+            logits = self._run(self._decode, self._dec_spec, tokens, [a.position for a in acts], list(rows), 1)[:, -1]
+        for a in acts:
+            a.position += 1
+            a.written = max(a.written, a.position)
+        return self._emit(list(rows), logits)
+
+    def cancel(self, slot: int) -> SlotEvent | None:
+        """Stop the request in ``slot`` and free it (reset); None if the slot was free."""
+        a = self._slots.get(slot)
+        if a is None:
+            return None
+        self._release(slot)
+        return SlotEvent(slot, None, "", FinishReason.CANCELLED)
+
+    def reset(self) -> None:
+        """Cancel everything; every slot back to the declared initial state."""
+        for slot in self.active:
+            self.cancel(slot)
+        self.spec.reset_(self._state)
+
+    # --- internals ------------------------------------------------------------------------------------
+    def _run(self, program: Program, spec: ProgramSpec, tokens: torch.Tensor, starts: list[int], rows: list[int],
+             t: int) -> torch.Tensor:
+        """tokens [R, T] into ``rows``, row r at positions starts[r] .. starts[r]+T-1 -> logits [R, 1 or T, V]."""
+        dev = self._device
+        end = max(starts) + t
+        if end > self.spec.max_seq_len:  # guarded by check() and the per-slot limit; never run past the cache
+            raise CacheOverflowError(f"a slot would need {end} cache positions; the cache holds {self.spec.max_seq_len}")
+        pos = torch.tensor(starts, dtype=torch.int64, device=dev)[:, None] + torch.arange(t, device=dev)  # [R, T]
+        keys = (torch.arange(end, dtype=torch.int64, device=dev),) if spec.key_pos else ()  # [L]
+        if spec.slots:
+            args = (tokens, pos, *keys, torch.tensor(rows, dtype=torch.int64, device=dev))
+        else:  # a batch-1 artifact's own programs: input_pos [T]
+            args = (tokens, pos[0], *keys)
+        return program(*args, *self._state)
+
+    def _emit(self, rows: list[int], logits: torch.Tensor) -> list[SlotEvent]:
+        """Sample one token per row from logits [R, V]; finish, hold back or hand out text; free finished slots."""
+        acts = [self._slots[s] for s in rows]
+        greedy = [i for i, a in enumerate(acts) if a.greedy]
+        picked: dict[int, int] = {}
+        if greedy:
+            ids = logits[greedy].argmax(-1).tolist() if len(greedy) < len(acts) else logits.argmax(-1).tolist()
+            picked.update(zip(greedy, ids, strict=True))
+        with torch.inference_mode():
+            for i, a in enumerate(acts):
+                if not a.greedy:
+                    picked[i] = int(sample(logits[i : i + 1], a.request.sampling, a.gen))
+        events = []
+        for i, (slot, a) in enumerate(zip(rows, acts, strict=True)):
+            events.append(self._advance(slot, a, picked[i]))
+        return events
+
+    def _advance(self, slot: int, a: _Active, tok: int) -> SlotEvent:
+        if tok in a.stop_ids:
+            text = a.text[a.sent :]  # whatever was held back is complete now
+            self._release(slot)
+            return SlotEvent(slot, None, text, FinishReason.EOS)
+        a.tokens.append(tok)
+        a.last = tok
+        finish = None
+        if a.stream is not None:
+            a.text += a.stream.push(a.tokens)
+            cut = _find_stop(a.text, a.request.stop, a.sent)
+            if cut is not None:
+                a.text = a.text[:cut]
+                finish = FinishReason.STOP
+        if finish is None and len(a.tokens) >= a.limit:
+            finish = FinishReason.MAX_TOKENS if a.request.max_tokens is not None else FinishReason.MAX_SEQ_LEN
+        if finish is None and a.position >= self.max_seq_len:
+            finish = FinishReason.MAX_SEQ_LEN
+        upto = len(a.text) if finish is not None else len(a.text) - _held_back(a.text, a.request.stop)
+        text = a.text[a.sent : upto] if upto > a.sent else ""
+        a.sent = max(a.sent, upto)
+        if finish is not None:
+            self._release(slot)
+        return SlotEvent(slot, tok, text, finish)
+
+    def _release(self, slot: int) -> None:
+        a = self._slots.pop(slot)
+        self._reset(slot, a.written)
+
+    def _reset(self, slot: int, written: int) -> None:
+        """Refill the first ``written`` positions of ``slot``'s row with each buffer's initial value."""
+        if not self._pre_spec.slots:
+            self.spec.reset_(self._state)
+            return
+        with torch.inference_mode():
+            for t, init in zip(self._state, self._inits, strict=True):
+                t[slot, :, :written].fill_(init)  # [H_kv, written, D] of row `slot`
+
+
+def _find_stop(text: str, stops: Sequence[str], sent: int) -> int | None:
+    """Where the first stop string in ``text`` begins (searching only text not yet handed out could miss one
+    straddling it, so from ``sent`` minus the longest stop), or None."""
+    if not stops:
+        return None
+    start = max(0, sent - max(map(len, stops)))
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def _held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of ``text`` could be the start of a stop string (kept until they are not)."""
+    most = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), most, -1):
+            if text.endswith(s[:k]):
+                most = k
+                break
+    return most
+
+
+class SlotSession:
+    """One slot of a slots artifact driven like a Session (``prefill``, ``decode``, ``reset``, ``position``,
+    ``state``), for tools that compare a Session's logits and cache step by step (``kvtrace verify``).
+
+    It owns a cache of all N rows and runs the slot programs on row ``slot`` only (R = 1), so the other rows
+    must stay at their initial values — which ``untouched()`` checks. ``state`` and ``spec`` show that row as a
+    batch-1 cache ``[1, H_kv, S, D]``.
+    """
+
+    def __init__(self, spec: CacheSpec, programs: Mapping[str, tuple[ProgramSpec, Program]], slot: int | None = None,
+                 vocab_size: int | None = None, device: str = "cpu"):
+        import dataclasses
+
+        (self._pre_spec, self._prefill), (self._dec_spec, self._decode) = programs["prefill"], programs["decode"]
+        if not (self._pre_spec.slots and self._dec_spec.slots):
+            raise UsageError("a SlotSession runs slot programs (an artifact exported with slots=N); use a Session")
+        self.slot = spec.batch_size - 1 if slot is None else slot
+        if not 0 <= self.slot < spec.batch_size:
+            raise UsageError(f"slot must be in [0, {spec.batch_size}), got {slot}")
+        self._full = spec
+        self.spec = dataclasses.replace(spec, batch_size=1)  # what `state` shows
+        self.prefill_logits = self._pre_spec.logits
+        self.filled: frozenset[str] = frozenset()
+        self._vocab = vocab_size
+        self._device = torch.device(device)
+        self._state = spec.allocate(device)
+        self._pos = 0
+
+    @property
+    def position(self) -> int:
+        return self._pos
+
+    @property
+    def state(self) -> tuple[torch.Tensor, ...]:
+        return tuple(t[self.slot : self.slot + 1] for t in self._state)  # [1, H_kv, S, D] views of the row
+
+    def untouched(self) -> bool:
+        """Whether every other row still holds its initial values."""
+        return all(bool((t[i] == b.init).all()) for t, b in zip(self._state, self._full.buffers(), strict=True)
+                   for i in range(self._full.batch_size) if i != self.slot)
+
+    def reset(self) -> None:
+        self._full.reset_(self._state)
+        self._pos = 0
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._call(self._prefill, torch.as_tensor(tokens, dtype=torch.int64).reshape(1, -1))
+
+    def decode(self, token: torch.Tensor) -> torch.Tensor:
+        return self._call(self._decode, torch.as_tensor(token, dtype=torch.int64).reshape(1, 1))
+
+    def _call(self, program: Program, tokens: torch.Tensor) -> torch.Tensor:
+        t = tokens.shape[1]
+        end = self._pos + t
+        if t < 1 or end > self._full.max_seq_len:
+            raise CacheOverflowError(f"{t} token(s) at position {self._pos} need {end} cache slots; the cache holds "
+                                     f"max_seq_len={self._full.max_seq_len}")
+        if self._vocab is not None and (int(tokens.min()) < 0 or int(tokens.max()) >= self._vocab):
+            raise UsageError(f"token ids must be in [0, {self._vocab})")
+        dev = self._device
+        pos = torch.arange(self._pos, end, dtype=torch.int64, device=dev)[None]  # [1, T]
+        keys = torch.arange(end, dtype=torch.int64, device=dev)  # [L]
+        slots = torch.tensor([self.slot], dtype=torch.int64, device=dev)  # [1]
+        logits = program(tokens.to(dev).contiguous(), pos, keys, slots, *self._state)
+        self._pos = end
+        return logits

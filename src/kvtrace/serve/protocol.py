@@ -1,0 +1,336 @@
+"""The OpenAI API's request and response shapes: bodies checked into a ``SlotRequest``, responses built.
+
+Every malformed body is an ``ApiError`` (HTTP 4xx, in OpenAI's error shape ``{"error": {"message",
+"type", "param", "code"}}``) naming the field, what it must be and what was found. Known fields must have
+their documented types; unknown fields are ignored (as vLLM and llama.cpp do, so clients sending newer
+parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, logprobs,
+penalties, ``echo``, ...) are refused by name rather than silently ignored. Two extensions other servers
+share: ``top_k`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
+
+Chat prompts are rendered with the artifact's own chat template (``sources.chat``), exactly as
+``kvtrace run --prompt`` renders its one user message, so a one-message chat equals ``kvtrace run``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtrace._errors import KvtraceError, UsageError
+from kvtrace.runtime.generate import Sampling
+from kvtrace.runtime.slots import FinishReason, SlotRequest
+
+__all__ = ["MAX_STOP", "ApiError", "Prompted", "Renderer", "chat_request", "completion_request", "error_body"]
+
+MAX_STOP = 4  # OpenAI's bound on stop sequences
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions endpoint's documented default
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(UsageError):
+    """A request the API refuses: ``status`` (4xx), OpenAI's error ``type``, the offending ``param``, a ``code``."""
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.param, self.code, self.type = status, param, code, type_
+
+
+def error_body(message: str, *, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object, or an ApiError saying what was wrong with it."""
+    if not raw:
+        raise ApiError("the request body is empty; send a JSON object (Content-Type: application/json)")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise ApiError(f"the request body is not valid JSON ({e}); send a JSON object") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body must be a JSON object, got a JSON {_json_type(body)}")
+    return body
+
+
+def _json_type(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+            int: "number", float: "number"}.get(type(v), type(v).__name__)
+
+
+def _short(v: Any, n: int = 60) -> str:
+    r = json.dumps(v) if not isinstance(v, float) or math.isfinite(v) else repr(v)
+    return r if len(r) <= n else r[: n - 3] + "..."
+
+
+def _number(body: dict[str, Any], name: str, lo: float, hi: float, *, lo_open: bool = False) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ApiError(f"{name} must be a number, got {_short(v)}", param=name)
+    if v < lo or v > hi or (lo_open and v == lo):
+        raise ApiError(f"{name} must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", param=name)
+    return float(v)
+
+
+def _int(body: dict[str, Any], name: str, lo: int, hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
+        else:
+            raise ApiError(f"{name} must be an integer, got {_short(v)}", param=name)
+    if v < lo or (hi is not None and v > hi):
+        raise ApiError(f"{name} must be an integer {'>= ' + str(lo) if hi is None else f'in [{lo}, {hi}]'}, got {v}",
+                       param=name)
+    return v
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(f"{name} must be true or false, got {_short(v)}", param=name)
+    return v
+
+
+def _refuse_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Known parameters kvtrace does not implement: accepted only at their no-op value."""
+    for name, ok in defaults.items():
+        v = body.get(name)
+        if v is None or v == ok or (isinstance(ok, tuple) and v in ok):
+            continue
+        raise ApiError(f"{name}={_short(v)} is not supported by kvtrace serve (leave it out)", param=name,
+                       code="unsupported_parameter")
+
+
+_UNSUPPORTED_COMMON = {"n": 1, "logprobs": (False, 0), "top_logprobs": 0, "presence_penalty": 0,
+                       "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}
+_UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": [], "functions": [], "tool_choice": "none",
+                     "audio": {}, "prediction": {}, "modalities": (["text"],), "parallel_tool_calls": (True, False)}
+_UNSUPPORTED_COMPLETIONS = {**_UNSUPPORTED_COMMON, "echo": False, "suffix": ""}
+
+
+@dataclass(frozen=True)
+class Prompted:
+    """A checked request: what the model thread runs, and how to answer it."""
+
+    request: SlotRequest
+    stream: bool
+    include_usage: bool
+    model: str
+
+
+class Renderer:
+    """Turns prompts into token ids with the artifact's tokenizer and chat template."""
+
+    def __init__(self, tokenizer: Any, template: str | None, bos_id: int | None, eos_ids: Sequence[int],
+                 temperature: float = 0.0):
+        self.tokenizer, self.template, self.bos_id, self.eos_ids = tokenizer, template, bos_id, tuple(eos_ids)
+        self.temperature = temperature  # when a request gives none: the artifact's generation default
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        from kvtrace.sources.chat import apply_chat_template
+
+        if self.template is None:
+            raise ApiError("this model has no chat template; use /v1/completions with a plain prompt", status=400)
+        name = lambda i: self.tokenizer.id_to_token(i) if i is not None else None  # noqa: E731
+        try:
+            text = apply_chat_template(self.template, messages, bos_token=name(self.bos_id),
+                                       eos_token=name(self.eos_ids[0] if self.eos_ids else None))
+        except KvtraceError as e:
+            raise ApiError(str(e), param="messages") from None
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def text(self, prompt: str) -> list[int]:
+        return self.tokenizer.encode(prompt, add_special_tokens=True).ids
+
+
+def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise ApiError("messages is required: a non-empty array of {role, content}", param="messages")
+    if not isinstance(msgs, list):
+        raise ApiError(f"messages must be an array of {{role, content}}, got a JSON {_json_type(msgs)}",
+                       param="messages")
+    if not msgs:
+        raise ApiError("messages must not be empty; give at least one {role, content}", param="messages")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ApiError(f"{where} must be an object {{role, content}}, got {_short(m)}", param=where)
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(f"{where}.role must be one of {list(ROLES)}, got {_short(role)}", param=f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: text only
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"{where}.content[{j}] must be a text part {{\"type\": \"text\", \"text\": ...}} "
+                                   f"(this model reads text only), got {_short(part)}", param=f"{where}.content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None and role == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ApiError(f"{where}.content must be a string or an array of text parts, got {_short(content)}",
+                           param=f"{where}.content")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise ApiError(f"stop must be a string or an array of strings, got {_short(v)}", param="stop")
+    if len(stops) > MAX_STOP:
+        raise ApiError(f"stop takes at most {MAX_STOP} sequences, got {len(stops)}", param="stop")
+    return tuple(s for s in stops if s)
+
+
+def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
+            ids: list[int]) -> tuple[SlotRequest, bool, bool]:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(f"model must be a string, got {_short(model)}", param="model")
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise ApiError(f"stream_options must be an object, got {_short(opts)}", param="stream_options")
+    if opts is not None and not stream:
+        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+    include_usage = _bool(opts or {}, "include_usage")
+    max_tokens = _int(body, "max_completion_tokens", 1)
+    legacy = _int(body, "max_tokens", 1)
+    if max_tokens is None:
+        max_tokens = legacy if legacy is not None else default_max
+    temperature = _number(body, "temperature", 0.0, 2.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
+    top_k = _int(body, "top_k", 1)  # not OpenAI's, but llama.cpp's and vLLM's
+    seed = _int(body, "seed", -(2**63), 2**63 - 1)
+    for name in ("user", "model"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise ApiError(f"{name} must be a string, got {_short(body[name])}", param=name)
+    sampling = Sampling(temperature=renderer.temperature if temperature is None else temperature, top_k=top_k,
+                        top_p=top_p, seed=None if seed is None else seed % 2**63)
+    stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
+    req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body))
+    return req, stream, include_usage
+
+
+def chat_request(body: dict[str, Any], renderer: Renderer, model: str) -> Prompted:
+    """A /v1/chat/completions body -> the request to run (no temperature: the artifact's default, greedy for
+    kvtrace's exports, so an unadorned request answers as ``kvtrace run`` does)."""
+    _refuse_unsupported(body, _UNSUPPORTED_CHAT)
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise ApiError(f"response_format={_short(fmt)} is not supported by kvtrace serve (text only)",
+                       param="response_format", code="unsupported_parameter")
+    messages = _messages(body)
+    _validate_scalars(body)
+    ids = renderer.chat(messages)
+    req, stream, usage = _common(body, None, renderer, ids)
+    return Prompted(req, stream, usage, model)
+
+
+def completion_request(body: dict[str, Any], renderer: Renderer, model: str) -> Prompted:
+    """A /v1/completions body (``prompt``: a string, a one-string array, or token ids) -> the request to run."""
+    _refuse_unsupported(body, _UNSUPPORTED_COMPLETIONS)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError("prompt is empty; give some text", param="prompt")
+        _validate_scalars(body)
+        ids = renderer.text(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(i, int) and not isinstance(i, bool) for i in prompt):
+        _validate_scalars(body)
+        ids = list(prompt)
+    elif prompt is None:
+        raise ApiError("prompt is required: a string (or an array of token ids)", param="prompt")
+    else:
+        raise ApiError(f"prompt must be a string, a one-string array or a non-empty array of token ids (one prompt "
+                       f"per request), got {_short(prompt)}", param="prompt")
+    req, stream, usage = _common(body, COMPLETIONS_DEFAULT_MAX_TOKENS, renderer, ids)
+    return Prompted(req, stream, usage, model)
+
+
+def _validate_scalars(body: dict[str, Any]) -> None:
+    """Type errors in the sampling fields before any tokenization work (``_common`` reads them again)."""
+    for name in ("max_tokens", "max_completion_tokens", "seed", "top_k"):
+        _int(body, name, -(2**63))
+    for name in ("temperature", "top_p"):
+        _number(body, name, -math.inf, math.inf)
+
+
+# --- responses ---------------------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def finish_reason(finish: FinishReason | None) -> str | None:
+    return None if finish is None else finish.openai
+
+
+def chat_response(rid: str, model: str, text: str, finish: FinishReason | None, prompt_tokens: int,
+                  completion_tokens: int) -> dict[str, Any]:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": finish_reason(finish)}],
+            "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+
+
+def completion_response(rid: str, model: str, text: str, finish: FinishReason | None, prompt_tokens: int,
+                        completion_tokens: int) -> dict[str, Any]:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(finish)}],
+            "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str], finish: str | None = None,
+               usage_: dict[str, int] | None = None, choices: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                           "system_fingerprint": None,
+                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+                           if choices else []}
+    if usage_ is not None or not choices:
+        out["usage"] = usage_
+    return out
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
+                     usage_: dict[str, int] | None = None, choices: bool = True) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "system_fingerprint": None,
+                           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+                           if choices else []}
+    if usage_ is not None or not choices:
+        out["usage"] = usage_
+    return out
+
+
+def sse(obj: dict[str, Any] | str) -> bytes:
+    """One server-sent event: ``data: <json>`` and a blank line (``[DONE]`` as is)."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()

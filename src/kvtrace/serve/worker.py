@@ -1,0 +1,210 @@
+"""The model thread: one thread owns the SlotEngine (its programs and cache) and runs the serving loop.
+
+    loop: cancel the slots whose clients left -> admit queued jobs into free slots (one prefill each)
+          -> one decode step for every active slot -> hand each event to its job -> repeat;
+          with nothing active, sleep until a job arrives
+
+HTTP handlers never touch the engine: they ``submit`` a ``Job`` (refused with ``QueueFull`` when the
+bounded queue is full), then read its events from ``Job.events``, an asyncio queue the model thread fills
+through ``loop.call_soon_threadsafe``; ``Job.cancel()`` (a client that disconnected) asks the model thread
+to free the slot at its next turn. Requests join and leave between decode steps: continuous batching.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtrace._errors import KvtraceError, UsageError
+from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotEvent, SlotRequest
+from kvtrace.serve.metrics import Metrics
+
+__all__ = ["Done", "Job", "QueueFull", "Worker"]
+
+
+class QueueFull(UsageError):
+    """Every slot is busy and the waiting queue is at its bound (HTTP 429)."""
+
+
+@dataclass(frozen=True)
+class Done:
+    """The last item of a job's events: how it ended and its token counts (``error``: a message, if it failed)."""
+
+    finish: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    error: str = ""
+
+
+@dataclass
+class Job:
+    """One request on its way through the model thread. ``events`` receives ``SlotEvent`` s, then one ``Done``."""
+
+    request: SlotRequest
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Any] = field(default_factory=asyncio.Queue)
+    received: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    first_token_at: float | None = None
+    completion_tokens: int = 0
+
+    def cancel(self) -> None:
+        """The client is gone: free the slot (or drop the job from the queue) at the model thread's next turn."""
+        self.cancelled = True
+
+    def _put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, item)
+        except RuntimeError:  # the event loop is closed (server shutting down): nobody is listening
+            pass
+
+
+class Worker:
+    """Runs ``engine`` in its own thread (``start``/``stop``); at most ``max_queue`` jobs wait for a slot beyond
+    those the free slots will take."""
+
+    def __init__(self, engine: SlotEngine, metrics: Metrics, max_queue: int = 64):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._jobs: dict[int, Job] = {}  # slot -> job
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # --- seen from the HTTP side (any thread) -------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._jobs)
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._stop:
+                raise QueueFull("the server is shutting down")
+            free = self.engine.n_slots - len(self._jobs)  # slots the queued jobs will take at the next turn
+            if len(self._waiting) - max(free, 0) >= self.max_queue:
+                raise QueueFull(f"the server is busy: all {self.engine.n_slots} conversation slots are generating and "
+                                f"{self.max_queue} requests are waiting for one (the bound, --queue); retry later")
+            self._waiting.append(job)
+            self._cv.notify()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="kvtrace-model", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def wake(self) -> None:
+        """Have the model thread look at cancellations now (it sleeps while nothing is active)."""
+        with self._cv:
+            self._cv.notify()
+
+    # --- the model thread -------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not self._stop and not self._waiting and not self._jobs:
+                        self._cv.wait()
+                    if self._stop:
+                        break
+                    dropped = [j for j in self._waiting if j.cancelled]
+                    for j in dropped:
+                        self._waiting.remove(j)
+                for j in dropped:
+                    j._put(Done(FinishReason.CANCELLED, len(j.request.prompt), 0))
+                self._turn()
+            self._shutdown()
+
+    def _turn(self) -> None:
+        for slot, job in list(self._jobs.items()):
+            if job.cancelled:
+                self.engine.cancel(slot)
+                self._finish(slot, FinishReason.CANCELLED)
+        while self.engine.free:
+            with self._cv:
+                job = self._waiting.popleft() if self._waiting else None
+            if job is None:
+                break
+            if job.cancelled:
+                job._put(Done(FinishReason.CANCELLED, len(job.request.prompt), 0))
+                continue
+            self._admit(job)
+        if self.engine.active:
+            t0 = time.perf_counter()
+            rows = len(self.engine.active)
+            try:
+                events = self.engine.step()
+            except Exception as e:  # a program failed: fail every running job (they are reset), keep serving
+                self._fail_all(f"generation failed: {type(e).__name__}: {e}")
+                return
+            self.metrics.observe("decode_step_seconds", time.perf_counter() - t0)
+            self.metrics.observe("decode_batch_rows", rows)
+            self.steps += 1
+            for ev in events:
+                self._deliver(ev)
+        # Hand the GIL to the HTTP thread now, so it sends these tokens before the next step: a compiled program
+        # holds the GIL while it runs, and this thread would otherwise take it straight back.
+        time.sleep(0)
+
+    def _admit(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        try:
+            slot, ev = self.engine.admit(job.request)
+        except KvtraceError as e:  # checked before queueing; a refusal here is answered, never raised
+            job._put(Done(None, len(job.request.prompt), 0, error=str(e)))
+            return
+        except Exception as e:  # the prefill program failed: the engine reset the slot
+            job._put(Done(None, len(job.request.prompt), 0, error=f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        self.metrics.observe("prefill_seconds", time.perf_counter() - t0)
+        self.metrics.inc("prompt_tokens_total", len(job.request.prompt))
+        self._jobs[slot] = job
+        self._deliver(ev)
+
+    def _deliver(self, ev: SlotEvent) -> None:
+        job = self._jobs[ev.slot]
+        if ev.token is not None:
+            job.completion_tokens += 1
+            self.metrics.inc("completion_tokens_total")
+            if job.first_token_at is None:
+                job.first_token_at = time.perf_counter()
+                self.metrics.observe("time_to_first_token_seconds", job.first_token_at - job.received)
+        job._put(ev)
+        if ev.finish is not None:
+            self._finish(ev.slot, ev.finish)
+
+    def _finish(self, slot: int, finish: FinishReason | None, error: str = "") -> None:
+        job = self._jobs.pop(slot)
+        job._put(Done(finish, len(job.request.prompt), job.completion_tokens, error))
+
+    def _fail_all(self, message: str) -> None:
+        for slot in list(self._jobs):
+            self.engine.cancel(slot)
+            self._finish(slot, None, message)
+
+    def _shutdown(self) -> None:
+        for slot in list(self._jobs):
+            self.engine.cancel(slot)
+            self._finish(slot, None, "the server is shutting down")
+        with self._cv:
+            waiting, self._waiting = list(self._waiting), collections.deque()
+        for job in waiting:
+            job._put(Done(None, len(job.request.prompt), 0, error="the server is shutting down"))

@@ -1,0 +1,250 @@
+"""SlotEngine: N conversations over one batched cache; each request's output equals a solo Session run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.conftest import tiny_model
+
+import kvtrace
+from kvtrace._errors import CacheOverflowError, UnsupportedError, UsageError
+from kvtrace.runtime.generate import Sampling, generate
+from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotRequest
+
+MAX_SEQ = 64
+SLOTS = 4
+
+
+def _prompts(lengths, seed=0, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(solo batch-1 artifact, slots artifact) of one tiny Llama, backend exported."""
+    d = tmp_path_factory.mktemp("slots")
+    m = tiny_model("llama")
+    kvtrace.export(m, d / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last")
+    kvtrace.export(m, d / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, prefill_logits="last")
+    return kvtrace.load(d / "solo.kvt"), kvtrace.load(d / "slots.kvt")
+
+
+def run_staggered(engine: SlotEngine, requests: list[SlotRequest], join_every: int = 2) -> dict[int, list[int]]:
+    """Admit one request every ``join_every`` steps while slots are free (requests join mid-stream);
+    returns request index -> tokens. Checks that every request finished exactly once."""
+    out: dict[int, list[int]] = {}
+    finished: dict[int, FinishReason] = {}
+    owner: dict[int, int] = {}
+    pending = list(range(len(requests)))
+    step = 0
+    while pending or engine.active:
+        if pending and engine.free and step % join_every == 0:
+            i = pending.pop(0)
+            slot, ev = engine.admit(requests[i])
+            assert slot not in owner
+            owner[slot], out[i] = i, []
+            events = [ev]
+        else:
+            events = []
+        events += engine.step()
+        for ev in events:
+            i = owner[ev.slot]
+            if ev.token is not None:
+                out[i].append(ev.token)
+            if ev.finish is not None:
+                assert i not in finished
+                finished[i] = ev.finish
+                del owner[ev.slot]
+        step += 1
+        assert step < 10_000
+    assert sorted(finished) == list(range(len(requests)))
+    return out
+
+
+def test_slot_programs_are_declared_program_specs(exported):
+    _, art = exported
+    pre, dec = art.manifest.programs["prefill"], art.manifest.programs["decode"]
+    assert (pre.slots, dec.slots, pre.key_pos, dec.single_token) == (True, True, True, True)
+    assert art.cache_spec.batch_size == SLOTS
+    assert pre.signature() == ("(tokens[R,T] int64, input_pos[R,T] int64, key_pos[L] int64, slots[R] int64, *cache) "
+                               "-> logits[R,1,V]")
+    assert dec.signature().startswith("(tokens[R,1] int64, input_pos[R,1] int64, key_pos[L] int64, slots[R] int64")
+    with pytest.raises(UsageError, match=r"conversation slots.*slot_engine"):
+        art.session()
+
+
+def test_greedy_outputs_equal_solo_runs_with_requests_joining_mid_stream(exported):
+    solo, art = exported
+    prompts = _prompts((5, 11, 3, 20, 7, 2, 9, 30))
+    maxes = [12, 6, 20, 9, 15, 30, 4, 33]
+    reqs = [SlotRequest(p, max_tokens=m) for p, m in zip(prompts, maxes, strict=True)]
+    engine = art.slot_engine()
+    out = run_staggered(engine, reqs)
+    for i, (p, m) in enumerate(zip(prompts, maxes, strict=True)):
+        assert out[i] == generate(solo.session(), p, max_new_tokens=m).tokens, f"request {i}"
+    assert engine.active == () and engine.free == tuple(range(SLOTS))
+    assert all(bool((t == 0).all()) for t in engine.state), "freed slots are reset to the initial values"
+
+
+def test_seeded_sampling_and_stop_ids_per_request_equal_solo(exported):
+    solo, art = exported
+    prompts = _prompts((4, 9, 6), seed=1)
+    samplings = [Sampling(temperature=0.9, top_p=0.8, seed=7), Sampling(), Sampling(temperature=1.3, top_k=20, seed=3)]
+    ref = [generate(solo.session(), p, max_new_tokens=25, sampling=s) for p, s in zip(prompts, samplings, strict=True)]
+    # a stop id that the greedy request emits mid-way ends it there, the id itself not output
+    stop = ref[1].tokens[5]
+    cut = ref[1].tokens.index(stop)
+    reqs = [SlotRequest(p, max_tokens=25, sampling=s, stop_ids=(stop,) if i == 1 else ())
+            for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))]
+    out = run_staggered(art.slot_engine(), reqs, join_every=3)
+    assert out[0] == ref[0].tokens and out[2] == ref[2].tokens
+    assert out[1] == ref[1].tokens[:cut]
+
+
+def test_max_seq_len_is_checked_per_slot_before_anything_runs(exported):
+    _, art = exported
+    engine = art.slot_engine(max_seq_len=32)
+    with pytest.raises(CacheOverflowError, match="max_seq_len=32"):
+        engine.admit(SlotRequest(list(range(3, 35))))
+    with pytest.raises(CacheOverflowError, match=r"max_tokens \(30\).*max_seq_len=32.*at most 22"):
+        engine.admit(SlotRequest(list(range(3, 13)), max_tokens=30))
+    with pytest.raises(UsageError, match="outside the vocabulary"):
+        engine.admit(SlotRequest([5, 128]))
+    with pytest.raises(UsageError, match="empty"):
+        engine.admit(SlotRequest([]))
+    with pytest.raises(UsageError, match="max_tokens must be"):
+        engine.admit(SlotRequest([5], max_tokens=0))
+    with pytest.raises(UsageError, match="max_seq_len must be"):
+        art.slot_engine(max_seq_len=MAX_SEQ + 1)
+    assert engine.active == () and all(bool((t == 0).all()) for t in engine.state)
+    # no max_tokens: until the slot's context is full (prompt + completion = max_seq_len)
+    _slot, ev = engine.admit(SlotRequest(list(range(3, 23))))
+    n = 1
+    while ev.finish is None:
+        (ev,) = engine.step()
+        n += 1
+    assert (n, ev.finish, ev.finish.openai) == (12, FinishReason.MAX_SEQ_LEN, "length")
+
+
+def test_all_slots_busy_is_refused_and_cancel_frees_and_resets_a_slot(exported):
+    _, art = exported
+    engine = art.slot_engine()
+    slots = [engine.admit(SlotRequest([5, 6, 7], max_tokens=40))[0] for _ in range(SLOTS)]
+    assert sorted(slots) == list(range(SLOTS)) and engine.free == ()
+    with pytest.raises(UsageError, match=f"all {SLOTS} slots are busy"):
+        engine.admit(SlotRequest([5]))
+    engine.step()
+    assert engine.position(2) == 4
+    ev = engine.cancel(2)
+    assert ev.finish is FinishReason.CANCELLED and engine.free == (2,)
+    assert all(bool((t[2] == 0).all()) for t in engine.state) and any(bool(t[1].any()) for t in engine.state)
+    assert engine.cancel(2) is None
+    assert len(engine.step()) == SLOTS - 1
+    engine.reset()
+    assert engine.active == () and all(bool((t == 0).all()) for t in engine.state)
+
+
+def test_a_batch_1_artifact_runs_as_one_slot(exported):
+    solo, _ = exported
+    engine = solo.slot_engine()
+    assert engine.n_slots == 1
+    p = _prompts((6,), seed=3)[0]
+    out = run_staggered(engine, [SlotRequest(p, max_tokens=10), SlotRequest(p[:3], max_tokens=5)])
+    assert out[0] == generate(solo.session(), p, max_new_tokens=10).tokens
+    assert out[1] == generate(solo.session(), p[:3], max_new_tokens=5).tokens
+
+
+def test_text_and_stop_strings(tmp_path):
+    from tests.conftest import make_tiny_hf_dir
+
+    make_tiny_hf_dir(tmp_path, words_only=True)
+    kvtrace.export(str(tmp_path), tmp_path / "solo.kvt", max_seq_len=48, prefill_logits="last")
+    kvtrace.export(str(tmp_path), tmp_path / "s.kvt", max_seq_len=48, slots=2, prefill_logits="last")
+    solo, art = kvtrace.load(tmp_path / "solo.kvt"), kvtrace.load(tmp_path / "s.kvt")
+    tok = art.tokenizer()
+    prompt = tok.encode("hello world the cat", add_special_tokens=False).ids
+    engine = art.slot_engine()
+
+    def text_of(req):
+        _slot, ev = engine.admit(req)
+        parts, finish = [ev.text], ev.finish
+        while finish is None:
+            (ev,) = engine.step()
+            parts.append(ev.text)
+            finish = ev.finish
+        return "".join(parts), finish
+
+    full, finish = text_of(SlotRequest(prompt, max_tokens=12))
+    ref = generate(solo.session(), prompt, max_new_tokens=12, decode_text=lambda t: tok.decode(t, skip_special_tokens=True))
+    assert finish is FinishReason.MAX_TOKENS and full == ref.text and len(full.split()) == 12
+    words = full.split()
+    stop = " ".join(words[3:5])  # two words mid-way, spanning a space
+    text, finish = text_of(SlotRequest(prompt, max_tokens=12, stop=[stop, "never appears"]))
+    assert finish is FinishReason.STOP and text == full[: full.index(stop)]
+    with pytest.raises(UsageError, match="stop must be a list of non-empty strings"):
+        engine.admit(SlotRequest(prompt, stop="cat"))
+
+
+def test_models_that_cannot_run_slots_are_refused_by_name():
+    m = tiny_model("gemma")
+    with pytest.raises(UnsupportedError, match="GemmaDecoder does not run per-row positions"):
+        kvtrace.export(m, "/nonexistent/x.kvt", max_seq_len=32, slots=2)
+    with pytest.raises(UnsupportedError, match="int8 K/V"):
+        kvtrace.export(tiny_model("llama"), "/nonexistent/x.kvt", max_seq_len=32, slots=2, kv_dtype="int8")
+    with pytest.raises(UsageError, match="slots must be a whole number"):
+        kvtrace.export(tiny_model("llama"), "/nonexistent/x.kvt", max_seq_len=32, slots=0)
+
+
+def test_forward_slots_rows_match_forward_live_eagerly():
+    """The decoder itself: two slots at different positions decode in one call, each row as a solo run."""
+    from kvtrace.models.registry import make_decoder
+
+    m = tiny_model("llama")
+    solo, multi = make_decoder(m, max_seq_len=32, batch_size=1), make_decoder(m, max_seq_len=32, batch_size=3)
+    state = multi.cache_spec.allocate()
+    p, q = _prompts((7, 4), seed=5)
+    with torch.no_grad():
+        multi.forward_slots(torch.tensor([p]), torch.arange(7)[None], torch.arange(7), torch.tensor([2]), *state)
+        multi.forward_slots(torch.tensor([q]), torch.arange(4)[None], torch.arange(4), torch.tensor([0]), *state)
+        toks = torch.tensor([[5], [9]])
+        out = multi.forward_slots(toks, torch.tensor([[7], [4]]), torch.arange(8), torch.tensor([2, 0]), *state)
+        for row, (prompt, n, slot) in enumerate(((p, 7, 2), (q, 4, 0))):
+            s = solo.cache_spec.allocate()
+            solo.forward_live(torch.tensor([prompt]), torch.arange(n), torch.arange(n), *s)
+            ref = solo.forward_live(toks[row : row + 1], torch.tensor([n]), torch.arange(n + 1), *s)
+            torch.testing.assert_close(out[row : row + 1], ref, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(state[0][slot, :, : n + 1], s[0][0, :, : n + 1], rtol=1e-5, atol=1e-5)
+    assert bool((state[0][1] == 0).all()), "the untouched slot stays at its initial value"
+
+
+@pytest.mark.compile
+def test_aoti_slot_artifact_matches_solo_runs(tmp_path):
+    m = tiny_model("llama")
+    kvtrace.export(m, tmp_path / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last")  # exported: the reference
+    kvtrace.export(m, tmp_path / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, backend="aoti", prefill_logits="last")
+    solo, art = kvtrace.load(tmp_path / "solo.kvt"), kvtrace.load(tmp_path / "slots.kvt")
+    prompts = _prompts((5, 11, 3, 20, 7, 1), seed=2)
+    maxes = [12, 6, 20, 9, 15, 8]
+    engine = art.slot_engine()
+    out = run_staggered(engine, [SlotRequest(p, max_tokens=m) for p, m in zip(prompts, maxes, strict=True)])
+    for i, (p, m) in enumerate(zip(prompts, maxes, strict=True)):
+        assert out[i] == generate(solo.session(), p, max_new_tokens=m).tokens, f"request {i}"
+    assert all(bool((t == 0).all()) for t in engine.state)
+
+
+def test_verify_checks_one_slot_of_a_slots_artifact_against_eager(exported):
+    """A slots artifact under kvtrace.verify: its last slot, driven like a Session, logits and every cache layer
+    against the HF model step by step; the other rows stay at their initial values."""
+    from kvtrace.tools.runners import EagerRunner, SessionRunner
+    from kvtrace.tools.verify import verify
+
+    _, art = exported
+    session = art.slot_session()
+    assert session.slot == SLOTS - 1 and session.spec.batch_size == 1 and session.state[0].shape[0] == 1
+    report = verify(EagerRunner(tiny_model("llama")), [SessionRunner(session, "slots")], _prompts((6, 9), seed=4),
+                    steps=6)
+    assert report.passed, report.summary()
+    assert session.untouched()
+    with pytest.raises(UsageError, match="slot must be in"):
+        art.slot_session(SLOTS)

@@ -1,0 +1,389 @@
+"""kvtrace serve over HTTP: the real OpenAI client (streaming and not), raw HTTP for bad input, disconnects,
+the queue bound, the API key, and a bounded load test whose every answer equals a solo run."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import resource
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from tests.conftest import make_tiny_hf_dir
+
+import kvtrace
+from kvtrace.runtime.generate import Sampling, generate
+from kvtrace.serve.app import app_for
+from kvtrace.sources.chat import apply_chat_template
+
+MAX_SEQ = 96
+SLOTS = 4
+
+
+@dataclass
+class Server:
+    url: str
+    app: Any
+    solo: Any  # the same model exported for one conversation: the reference
+    art: Any
+
+    @property
+    def worker(self):
+        return self.app.state.worker
+
+    def solo_text(self, ids: list[int], max_tokens: int, sampling: Sampling | None = None) -> tuple[str, int]:
+        tok = self.solo.tokenizer()
+        res = generate(self.solo.session(), ids, max_new_tokens=max_tokens, sampling=sampling,
+                       eos_ids=self.solo.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True))
+        return res.text, len(res.tokens)
+
+    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        m, tok = self.solo.manifest, self.solo.tokenizer()
+        text = apply_chat_template(m.chat_template, messages, bos_token=tok.id_to_token(m.bos_id),
+                                   eos_token=tok.id_to_token(m.eos_ids[0]))
+        return tok.encode(text, add_special_tokens=False).ids
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(app: Any) -> tuple[str, Any, threading.Thread]:
+    import uvicorn
+
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert thread.is_alive() and time.time() < deadline, "the server did not start"
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("serve")
+    make_tiny_hf_dir(d, words_only=True, max_position_embeddings=128)
+    kvtrace.export(str(d), d / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last")
+    kvtrace.export(str(d), d / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, prefill_logits="last")
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(artifacts):
+    art = kvtrace.load(artifacts / "slots.kvt")
+    app = app_for(art, max_queue=6)
+    url, srv, thread = start_server(app)
+    yield Server(url, app, kvtrace.load(artifacts / "solo.kvt"), art)
+    srv.should_exit = True
+    thread.join(30)
+
+
+@pytest.fixture
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def wait_idle(server: Server, timeout: float = 10.0) -> None:
+    deadline = time.time() + timeout
+    while server.worker.running or server.worker.queued:
+        assert time.time() < deadline, f"not idle: {server.worker.running} running, {server.worker.queued} queued"
+        time.sleep(0.02)
+
+
+def test_chat_completion_equals_a_solo_run(server, client):
+    msgs = [{"role": "user", "content": "hello the cat"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    text, n = server.solo_text(server.chat_ids(msgs), 10)
+    assert r.choices[0].message.content == text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == "length" and r.object == "chat.completion"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (
+        len(server.chat_ids(msgs)), n, len(server.chat_ids(msgs)) + n)
+    assert r.model == server.art.manifest.model_name  # the served model's id
+    # several messages, a system one included, content as text parts
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "world"},
+            {"role": "assistant", "content": "cat"}, {"role": "user", "content": [{"type": "text", "text": "sat"}]}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=7, temperature=0)
+    flat = [{**m, "content": "sat"} if isinstance(m["content"], list) else m for m in msgs]
+    assert r.choices[0].message.content == server.solo_text(server.chat_ids(flat), 7)[0]
+
+
+def test_chat_streaming_equals_non_streaming(server, client):
+    msgs = [{"role": "user", "content": "the world sat"}]
+    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert text == server.solo_text(server.chat_ids(msgs), 12)[0] and finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert len({c.id for c in chunks}) == 1 and chunks[1].object == "chat.completion.chunk"
+
+
+def test_completions_streaming_and_not(server, client):
+    prompt = "hello world the"
+    ids = server.solo.tokenizer().encode(prompt, add_special_tokens=True).ids
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0)
+    assert r.choices[0].text == server.solo_text(ids, 9)[0] and r.object == "text_completion"
+    assert r.usage.prompt_tokens == len(ids) and r.choices[0].finish_reason == "length"
+    parts = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=9, temperature=0, stream=True))
+    assert "".join(p.choices[0].text for p in parts) == r.choices[0].text
+    # the default max_tokens of the completions endpoint is 16; token ids are a prompt too
+    r = client.completions.create(model="tiny", prompt=ids, temperature=0)
+    assert r.usage.completion_tokens == 16 and r.choices[0].text == server.solo_text(ids, 16)[0]
+
+
+def test_stop_sequences_and_seeded_sampling(server, client):
+    msgs = [{"role": "user", "content": "cat"}]
+    full = server.solo_text(server.chat_ids(msgs), 20)[0]
+    stop = full.split()[4]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0, stop=[stop])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == full[: full.index(stop)]
+    sampled = [client.chat.completions.create(model="tiny", messages=msgs, max_tokens=15, temperature=1.0, top_p=0.9,
+                                              seed=11).choices[0].message.content for _ in range(2)]
+    assert sampled[0] == sampled[1] == server.solo_text(server.chat_ids(msgs), 15,
+                                                        Sampling(temperature=1.0, top_p=0.9, seed=11))[0]
+
+
+def test_models_health_and_metrics(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.art.manifest.model_name]
+    h = httpx.get(server.url + "/health").json()
+    assert h["status"] == "ok" and h["slots"] == SLOTS and h["max_seq_len"] == MAX_SEQ
+    text = httpx.get(server.url + "/metrics").text
+    for series in ("kvtrace_requests_total", "kvtrace_prompt_tokens_total", "kvtrace_completion_tokens_total",
+                   "kvtrace_queue_depth", "kvtrace_prefill_seconds_bucket", "kvtrace_decode_step_seconds_count",
+                   "kvtrace_time_to_first_token_seconds_sum"):
+        assert series in text
+
+
+BAD = [  # (body, status, words the message must contain)
+    (b"{not json", 400, "not valid JSON"),
+    (b"", 400, "empty"),
+    (b"[1, 2]", 400, "JSON object"),
+    (json.dumps({"messages": []}), 400, "must not be empty"),
+    (json.dumps({"messages": "hi"}), 400, "messages must be an array"),
+    (json.dumps({"model": "m"}), 400, "messages is required"),
+    (json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}), 400, "role must be one of"),
+    (json.dumps({"messages": [{"role": "user", "content": 5}]}), 400, "content must be a string"),
+    (json.dumps({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), 400, "text part"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}), 400, "max_tokens must be an integer"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}), 400, "max_tokens must be"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}), 400, "temperature must be a number"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "temperature": 3}), 400, "temperature must be in"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}), 400, "top_p must be in"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}), 400, "stream must be true or false"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}), 400, "n=2 is not supported"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": [1]}), 400, "stop must be a string"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}), 400, "at most 4"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}), 400, "seed must be an integer"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": 7}), 400, "model must be a string"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}), 400, "tools"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}), 400,
+     "only allowed with stream"),
+    (json.dumps({"messages": [{"role": "user", "content": " ".join(["cat"] * 200)}]}), 400, "max_seq_len=96"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 500}), 400, "max_seq_len=96"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "words"), BAD, ids=[w for _, _, w in BAD])
+def test_bad_chat_requests_get_openai_shaped_4xx(server, body, status, words):
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error" and set(err) == {
+        "message", "type", "param", "code"}
+
+
+def test_bad_completions_routes_and_sizes(server):
+    post = lambda path, body: httpx.post(server.url + path, content=body)  # noqa: E731
+    for body, words in [({"prompt": ""}, "prompt is empty"), ({"prompt": ["a", "b"]}, "one prompt"),
+                        ({"prompt": [1, "x"]}, "prompt must be"), ({}, "prompt is required"),
+                        ({"prompt": "hi", "echo": True}, "echo=true is not supported"),
+                        ({"prompt": [3, 99]}, "outside the vocabulary"),
+                        ({"prompt": "cat " * 120}, "max_seq_len=96")]:
+        r = post("/v1/completions", json.dumps(body))
+        assert r.status_code == 400 and words in r.json()["error"]["message"], (body, r.text)
+    r = httpx.get(server.url + "/v1/chat/completions")
+    assert r.status_code == 405 and "method not allowed" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v2/nothing")
+    assert r.status_code == 404 and "/v1/chat/completions" in r.json()["error"]["message"]
+    r = post("/v1/completions", b"x" * (5 << 20))
+    assert r.status_code == 413 and "body" in r.json()["error"]["message"]
+    assert server.worker.running == 0 and httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def slowed(server: Server, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Make every decode step take ``seconds`` (the model thread stays the only caller)."""
+    engine = server.app.state.engine
+    step = engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)
+
+
+def test_a_client_that_disconnects_frees_its_slot(server, monkeypatch):
+    wait_idle(server)
+    slowed(server, monkeypatch, 0.05)
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 60, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        data = (line for line in r.iter_lines() if line.startswith("data: "))
+        next(data)  # the role chunk
+        assert '"content": "' in next(data)  # a token: the request holds a slot now
+        assert server.worker.running == 1
+    wait_idle(server, timeout=3)  # 60 tokens would take 3 s more
+    # not streaming: the client gives up waiting
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
+    wait_idle(server, timeout=3)
+    assert all(bool((t == 0).all()) for t in server.app.state.engine.state)
+
+
+def test_a_full_queue_is_429(server, monkeypatch):
+    wait_idle(server)
+    slowed(server, monkeypatch, 0.1)  # every request holds its slot for 7 s
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 70, "stream": True}
+    streams = []
+    try:
+        for _ in range(SLOTS + 6):  # every slot busy, then the queue's bound of 6
+            cm = httpx.stream("POST", server.url + "/v1/chat/completions", json=body)
+            r = cm.__enter__()
+            assert r.status_code == 200
+            streams.append(cm)
+        r = httpx.post(server.url + "/v1/chat/completions", json=body)
+        assert r.status_code == 429 and "busy" in r.json()["error"]["message"]
+        assert r.json()["error"]["code"] == "queue_full"
+    finally:
+        for cm in streams:
+            cm.__exit__(None, None, None)
+    wait_idle(server, timeout=5)  # closing the streams cancelled them all
+
+
+def test_api_key_is_enforced(artifacts):
+    from starlette.testclient import TestClient
+
+    app = app_for(kvtrace.load(artifacts / "slots.kvt"), api_key="sk-test")
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}
+    with TestClient(app) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sk-test"}):
+            r = c.post("/v1/chat/completions", json=body, headers=headers)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert c.get("/v1/models").status_code == 401 and c.get("/metrics").status_code == 401
+        assert c.get("/health").status_code == 200
+        r = c.post("/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-test"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_load_32_requests_from_8_clients_all_equal_solo_runs(server):
+    """32 requests of different lengths from 8 concurrent clients, streaming and not, chat and completions; every
+    answer equals a solo run; afterwards every slot is free and reset, nothing queued, memory back to idle."""
+    from openai import OpenAI
+
+    wait_idle(server)
+    words = ["hello", "world", "the", "cat", "sat"]
+    g = torch.Generator().manual_seed(0)
+    jobs = []
+    for i in range(32):
+        n = int(torch.randint(1, 30, (1,), generator=g))
+        text = " ".join(words[int(j)] for j in torch.randint(0, 5, (n,), generator=g))
+        jobs.append((i, text, 5 + int(torch.randint(0, 40, (1,), generator=g)), i % 4))
+    rss0 = _rss_mib()
+    requests0 = server.app.state.metrics.counter("requests_total", endpoint="chat", status="200")
+
+    def run(job):
+        _i, text, max_tokens, kind = job
+        c = OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        msgs = [{"role": "user", "content": text}]
+        if kind == 0:
+            return c.chat.completions.create(model="m", messages=msgs, max_tokens=max_tokens, temperature=0
+                                             ).choices[0].message.content
+        if kind == 1:
+            s = c.chat.completions.create(model="m", messages=msgs, max_tokens=max_tokens, temperature=0, stream=True)
+            return "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices)
+        if kind == 2:
+            return c.completions.create(model="m", prompt=text, max_tokens=max_tokens, temperature=0).choices[0].text
+        s = c.completions.create(model="m", prompt=text, max_tokens=max_tokens, temperature=0, stream=True)
+        return "".join(ch.choices[0].text for ch in s)
+
+    t0 = time.time()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(run, jobs))
+    seconds = time.time() - t0
+    tok = server.solo.tokenizer()
+    mismatches = []
+    for (i, text, max_tokens, kind), got in zip(jobs, answers, strict=True):
+        ids = (server.chat_ids([{"role": "user", "content": text}]) if kind < 2
+               else tok.encode(text, add_special_tokens=True).ids)
+        want = server.solo_text(ids, max_tokens)[0]
+        if got != want:
+            mismatches.append((i, kind, got, want))
+    print(f"load test: 32 requests from 8 clients in {seconds:.1f}s, {len(mismatches)} mismatches")
+    assert mismatches == []
+    wait_idle(server)
+    assert server.app.state.engine.active == () and server.worker.queued == 0
+    assert all(bool((t == 0).all()) for t in server.app.state.engine.state), "every slot reset"
+    assert server.app.state.metrics.counter("requests_total", endpoint="chat", status="200") - requests0 == 16
+    assert server.worker.steps > 0 and server.app.state.metrics.histogram_count("decode_batch_rows") > 0
+    assert _rss_mib() - rss0 < 64, "memory returned to about where it was"
+    assert seconds < 120
+
+
+def test_cli_serve_refuses_a_parallel_its_artifact_lacks(artifacts, capsys):
+    from kvtrace.cli.main import main
+
+    assert main(["serve", str(artifacts / "slots.kvt"), "--parallel", "2", "--port", "1"]) == 2
+    assert "holds 4 conversation slot(s), --parallel asks for 2" in capsys.readouterr().err
+    assert main(["serve", str(artifacts / "solo.kvt"), "--max-seq-len", "999"]) == 2
+    assert "more than solo.kvt's cache holds (96)" in capsys.readouterr().err
+
+
+def test_the_cli_serves_an_artifact_in_its_own_process(artifacts):
+    import subprocess
+    import sys
+
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "serve", str(artifacts / "slots.kvt"), "--port",
+                             str(port), "--api-key", "sk-cli"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() else "timeout"
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0}
+        assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
+        r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-cli"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert f"on http://127.0.0.1:{port}/v1" in err and "4 conversation slot(s), max_seq_len 96" in err
