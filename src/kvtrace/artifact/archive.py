@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from kvtrace._errors import ArtifactError, UsageError
+from kvtrace._errors import ArtifactError, UnsupportedError, UsageError
 from kvtrace.artifact import reader
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
@@ -118,17 +118,28 @@ class Artifact:
     def slot_engine(self, max_seq_len: int | None = None) -> SlotEngine:
         """A SlotEngine over a new cache: one conversation per cache row of an artifact exported with ``slots``
         (a batch-1 artifact runs as one slot). ``max_seq_len``: per slot, at most the artifact's."""
+        self._check_slots_runnable()
         tok = self.tokenizer()
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
         programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
         return SlotEngine(self.cache_spec, programs, vocab_size=self.manifest.vocab_size, max_seq_len=max_seq_len,
-                          decode_text=decode)
+                          decode_text=decode, device=self.device)
 
     def slot_session(self, slot: int | None = None) -> SlotSession:
         """One slot (default: the last) of a slots artifact driven like a Session, for step-by-step checks
         (``kvtrace verify --artifact``); serving uses ``slot_engine``."""
+        self._check_slots_runnable()
         programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
-        return SlotSession(self.cache_spec, programs, slot=slot, vocab_size=self.manifest.vocab_size)
+        s = SlotSession(self.cache_spec, programs, slot=slot, vocab_size=self.manifest.vocab_size, device=self.device)
+        s.quant = self.manifest.quant  # verify's reference: the same quantized weights
+        return s
+
+    def _check_slots_runnable(self) -> None:
+        """Slot programs take the cache as inputs; programs that hold their own (an ExecuTorch .pte) cannot."""
+        b = self.manifest.backend
+        if b in registry.names() and registry.get(b).holds_state:
+            raise UnsupportedError(f"{self.path.name}: {b} programs hold their own cache, so they cannot serve "
+                                   "conversation slots; serve an aoti or exported artifact (or use art.session())")
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtrace._errors import KvtraceError, one_line
+from kvtrace._errors import KvtraceError, UsageError, one_line
 
 __all__ = ["BackgroundBuild", "Tiered", "start"]
 
@@ -261,8 +261,12 @@ def start(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "f
     artifact's build started in the background (CPU). ``progress``/``notice`` as ``cached_artifact`` takes them;
     ``quant``: quantized weights, the eager programs computing with the same quantized modules."""
     from kvtrace.artifact.store import cached_artifact
+    from kvtrace.backends import registry
     from kvtrace.sources.resolve import resolve_source
 
+    if registry.get(backend).holds_state:  # the swap hands the session's cache to the compiled programs
+        raise UsageError(f"a tiered start swaps the session's cache into the compiled programs, but {backend} "
+                         "programs hold their own cache; build it first (store.cached_artifact, --no-tiered)")
     progress = progress or (lambda what: contextlib.nullcontext())
     src = resolve_source(source)
     found = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
+from kvtrace._errors import UsageError
 from kvtrace.cli.args import POSITIVE, device_arg, int_list, quant_args
 from kvtrace.cli.ui import UI, output_file
 
@@ -25,6 +26,11 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
 
     from kvtrace.serve.bench import render_markdown, run_serve_bench
 
+    ignored = [f for f, on in (("--quant", args.quant != "none"), ("--device", str(args.device) != "cpu"),
+                               ("--cuda-graphs", args.cuda_graphs), ("--plot", args.plot is not None)) if on]
+    if ignored:
+        raise UsageError(f"bench --serve measures a CPU slots artifact of unquantized weights; {', '.join(ignored)} "
+                         "is not offered with it: drop it")
     clients = tuple(int(x) for x in str(args.clients).split(","))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     backend = backends[0] if len(backends) == 1 else "aoti"  # the default list names several: serve aoti

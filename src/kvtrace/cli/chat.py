@@ -28,7 +28,7 @@ def _open(args: argparse.Namespace, ui: UI) -> tuple[Any, Any]:
     from kvtrace.artifact.archive import load
     from kvtrace.cli.generate import open_model
 
-    if args.model is not None and Path(args.model).is_file() and Path(args.model).suffix == ".kvt":
+    if args.model is not None and Path(args.model).is_file() and Path(args.model).suffix in (".kvt", ".pte"):
         with ui.step(f"loading {args.model}"):
             return load(args.model), None
     art, tier, _ = open_model(args, ui)

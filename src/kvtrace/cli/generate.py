@@ -204,6 +204,8 @@ def finish_build(ui: UI, tier: Any) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
     prompt = read_prompt(args.prompt)
+    if getattr(args, "cuda_graphs", False) and str(args.device) == "cpu":  # before any model is read or compiled
+        raise UsageError("--cuda-graphs needs --device cuda (decode replayed from CUDA graphs); drop it on the CPU")
     t0 = time.perf_counter()
     # loads (and so checks) the artifact too; a cached one that fails its integrity check is rebuilt
     art, tier, compile_s = open_model(args, ui, kv_dtype=args.kv_dtype)

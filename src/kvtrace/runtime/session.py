@@ -154,6 +154,9 @@ class Session:
         bookkeeping through ``capturer`` (e.g. ``EagerCapturer`` on CPU, to check it without a GPU)."""
         if not cuda_graphs:
             return None
+        if self._held:
+            raise UsageError("cuda_graphs=True replays decode over the session's own state tensors; these programs "
+                             "hold their cache themselves (e.g. an ExecuTorch program), so they cannot be captured")
         if capturer is None:
             if self._device.type != "cuda":
                 raise UsageError(f"cuda_graphs=True needs a session on a CUDA device; this one is on {self._device} "

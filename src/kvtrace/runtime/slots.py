@@ -31,6 +31,7 @@ import enum
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -371,6 +372,7 @@ class SlotSession:
         self._device = torch.device(device)
         self._state = spec.allocate(device)
         self._pos = 0
+        self.quant: Any = None  # the programs' quantized weights (spec.quant.QuantSpec); verify's reference reads it
 
     @property
     def position(self) -> int:

@@ -65,7 +65,7 @@ class BenchResult:
     dtype: str
     prompt_len: int
     new_tokens: int
-    quant: str = "none"  # the artifact's quantized weights (``QuantSpec.key``), "none" for none
+    quant: str = "none"  # the artifact's quantized weights (``export``'s quant scheme), "none" for none
     load_s: float = 0.0
     compile_s: float = 0.0
     prefill_ms: float = 0.0  # median
@@ -236,10 +236,12 @@ IN_PROCESS: dict[str, Callable[[torch.nn.Module, int], _Stepper]] = {
 
 def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str,
           load_session: bool = True, device: torch.device | None = None, cuda_graphs: bool = False,
-          artifact: Path | None = None, quant: str = "none") -> _Stepper:
+          artifact: Path | None = None, quant: str = "none", quant_opts: dict[str, Any] | None = None) -> _Stepper:
     """The backend ready to run; for artifact backends with ``load_session=False``, only the built file.
     ``cuda_graphs``: the artifact's session decodes from CUDA graphs; ``artifact``: one already built;
-    ``quant``: the artifact's quantized weights (``export``'s ``quant``)."""
+    ``quant``: the artifact's quantized weights (``export``'s ``quant``; ``quant_opts``: its ``quant_group_size``
+    and ``quant_head``)."""
+    quant_opts = quant_opts or {}
     if backend in IN_PROCESS:
         return IN_PROCESS[backend](model, max_seq_len)
     device = device if device is not None else torch.device("cpu")
@@ -255,13 +257,13 @@ def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, d
         workdir = tempfile.TemporaryDirectory(prefix="kvtrace-bench-")
         path = Path(workdir.name) / f"{backend}.kvt"
         export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last",
-               device=device, quant=quant)
+               device=device, quant=quant, **quant_opts)
     else:
         from kvtrace.artifact.store import cached_artifact
 
         # load=True: a cached entry that fails its integrity check is rebuilt, as for generate
         path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True,
-                               device=device.type, quant=quant).path
+                               device=device.type, quant=quant, **quant_opts).path
     if not load_session:
         def unloaded(*_: Any) -> Any:
             raise RuntimeError("this artifact is measured in another process")
@@ -393,7 +395,8 @@ def _bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
     return total + 2 * n_layers * n_kv * head_dim * ctx * elt  # weights + live K/V
 
 
-def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_seq_len: int, ctx: int) -> int:
+def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_seq_len: int, ctx: int,
+                           group_size: int | None = None, head: bool = True) -> int:
     """``_bytes_per_token`` of the model with ``quant``'s weights: every weight of its quantized decoder once, as
     stored (int8 / packed int4 / GGUF blocks and their scales; norms and unquantized tensors in their dtype)."""
     from kvtrace.cache.hf import kv_geometry
@@ -408,7 +411,7 @@ def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_
         from kvtrace.sources.resolve import resolve_source
 
         blocks = GGUFBlocks(resolve_source(source).path)
-    q.quantize_decoder(decoder, parse_quant(quant), gguf=blocks)
+    q.quantize_decoder(decoder, parse_quant(quant, group_size, head), gguf=blocks)
     kinds = (q.Int8Linear, q.Int4Linear, q.GGUFLinear, q.Int8Embedding, q.GGUFEmbedding)
     tensors = [*decoder.parameters(), *(b for m in decoder.modules() if isinstance(m, kinds) for b in m.buffers())]
     seen, total = set(), 0
@@ -437,7 +440,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
               new_tokens: int = 128, dtypes: tuple[str, ...] = ("float32",), runs: int = 3,
               max_seq_len: int = 1024, threads: int | None = None, sweep: bool = False,
               fresh_process: bool = True, device: str | torch.device = "cpu", cuda_graphs: bool = False,
-              quants: tuple[str, ...] = ("none",),
+              quants: tuple[str, ...] = ("none",), quant_group_size: int | None = None, quant_head: bool = True,
               progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
     """Run every (dtype, prompt length, backend, quantization) and return a JSON-able dict with a ``results``
     list.
@@ -446,7 +449,8 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     ``device``: where every backend runs (the model is moved there on a copy; artifacts are compiled for it).
     ``cuda_graphs``: each artifact backend is measured again with decode replayed from CUDA graphs, from the
     same artifact (rows ``<backend>+graphs``). ``quants``: weight quantizations (``export``'s ``quant``; "none"
-    for none) of the artifact backends, one row each; HF and jit rows run unquantized only. Each row's bandwidth
+    for none) of the artifact backends, one row each, with ``quant_group_size`` / ``quant_head`` as ``export``
+    takes them; HF and jit rows run unquantized only. Each row's bandwidth
     bound counts the bytes its weights take as stored.
     """
     from kvtrace.artifact.export import DTYPES
@@ -454,6 +458,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     from kvtrace.spec.device import resolve as resolve_device
     from kvtrace.spec.quant import SCHEMES
 
+    quant_opts = {"quant_group_size": quant_group_size, "quant_head": quant_head}
     bad_q = sorted(set(quants) - {"none", *SCHEMES})
     if bad_q:
         raise UsageError(f"unknown quantizations {bad_q}; choose from {['none', *SCHEMES]}")
@@ -503,7 +508,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                         with progress(f"{label}: build"):
                             t0 = time.perf_counter()
                             s = _make(b, m, model_source if model is None else None, max_seq_len, dtype,
-                                      load_session=not fresh, device=dev, quant=qn)
+                                      load_session=not fresh, device=dev, quant=qn, quant_opts=quant_opts)
                             build_s = time.perf_counter() - t0
                     except Exception as e:  # one backend failing must not hide the others' numbers
                         for graphs in graph_rows:
@@ -535,7 +540,8 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                             per_tok = _bytes_per_token(m, ctx)
                         else:
                             if qn not in per_quant:
-                                per_quant[qn] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx)
+                                per_quant[qn] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx,
+                                                                       quant_group_size, quant_head)
                             per_tok = per_quant[qn]
                         _fill(r, got, fresh, s, bw, per_tok)
                         if b == BASELINE:
@@ -593,6 +599,8 @@ def run_cli_bench(args: Any, ui: Any) -> int:
         new_tokens=args.new_tokens,
         dtypes=tuple(d.strip() for d in args.dtype.split(",")),
         quants=tuple(q.strip() for q in args.quant.split(",")),
+        quant_group_size=args.quant_group_size,
+        quant_head=args.quant_head,
         runs=args.runs,
         max_seq_len=args.max_seq_len,
         threads=args.threads,
