@@ -125,6 +125,10 @@ def test_cuda_graphs_on_a_cpu_artifact_is_one_clear_line(cpu_art, capsys):
     assert main(["run", str(cpu_art), "--prompt", "hi", "--cuda-graphs", "--raw", "-q"]) == 2
     err = capsys.readouterr().err
     assert "--cuda-graphs needs an artifact running on a CUDA device" in err and len(err.strip().splitlines()) == 1
+    # generate refuses it before any model is read, converted or compiled
+    assert main(["generate", "hi", "--cuda-graphs", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "--cuda-graphs needs --device cuda" in err and len(err.strip().splitlines()) == 1
 
 
 def test_bench_with_cuda_graphs_needs_a_cuda_device():

@@ -208,3 +208,9 @@ def test_eager_artifact_runs_what_the_export_would(hf_dir, compiled):
     a, b = eager.session(), compiled.session()
     torch.testing.assert_close(a.prefill(PROMPT), b.prefill(PROMPT), atol=1e-5, rtol=1e-5)
     assert isinstance(eager, kvtrace.Artifact)
+
+
+def test_tiered_start_refuses_backends_whose_programs_hold_their_cache(hf_dir):
+    """The swap hands the session's cache to the compiled programs; an ExecuTorch program keeps its own."""
+    with pytest.raises(UsageError, match="executorch programs hold their own cache"):
+        tiered.start(str(hf_dir), backend="executorch", max_seq_len=32)

@@ -25,6 +25,7 @@ import atexit
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -346,6 +347,10 @@ def _child(argv: list[str]) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
+    from kvtrace.cli.main import QUIET_LOGGERS
+
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from kvtrace.artifact.store import cached_artifact

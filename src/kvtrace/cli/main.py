@@ -8,6 +8,7 @@ Errors are one line on stderr; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import warnings
@@ -61,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Loggers that talk to library authors: torchao (pulled in by transformers when installed, e.g. with the
+# executorch extra) logs each CUDA-only kernel library it cannot load on a CPU machine, and torch's pytree a
+# deprecation of how torchao registers its enums; four lines on every command that loads a model.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 def _quiet_libraries() -> None:
     """Keep third-party noise out of the terminal: transformers' and huggingface_hub's progress bars
     (kvtrace shows its own progress) and deprecation warnings addressed to library authors, not users.
@@ -69,6 +76,8 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
