@@ -454,7 +454,11 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     bound counts the bytes its weights take as stored.
     """
     from kvtrace.artifact.export import DTYPES
+    from kvtrace.sources.resolve import DEFAULT_MODEL
     from kvtrace.spec.device import check_available, concrete
+
+    if model is None and model_source is None:  # the default model, by name: built through the artifact cache
+        model_source = DEFAULT_MODEL
     from kvtrace.spec.device import resolve as resolve_device
     from kvtrace.spec.quant import SCHEMES
 
