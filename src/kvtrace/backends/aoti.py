@@ -320,6 +320,7 @@ def _compile_in_processes(eps: dict[str, torch.export.ExportedProgram], opts: di
     import subprocess
     import sys
 
+    import torch
     from safetensors.torch import save_file
     from torch._export.serde.serialize import serialize
 
@@ -346,6 +347,7 @@ def _compile_in_processes(eps: dict[str, torch.export.ExportedProgram], opts: di
             job.write_text(json.dumps({"program": str(tmp / f"{name}.json"), "inputs": str(tmp / f"{name}.inputs"),
                                        "weights": str(tmp / "weights.safetensors"), "aliases": aliases,
                                        "options": opts[name], "no_cache": no_cache,
+                                       "threads": torch.get_num_threads(),
                                        "out": str(tmp / f"{name}.files.json")}))
             procs[name] = subprocess.Popen(  # started at once: it loads while the next program is written
                 [sys.executable, "-c", "from kvtrace.backends.aoti import _compile_worker; _compile_worker()",
@@ -379,7 +381,11 @@ def _compile_worker() -> None:
     from kvtrace.capture.export import _example_args
 
     job = json.loads(Path(sys.argv[1]).read_text())
-    torch.set_num_threads(1)  # code generation and g++ do not need torch's threads
+    # Inductor specializes each CPU kernel's OpenMP loop for torch.get_num_threads() at code generation (unless
+    # cpp.dynamic_threads): the child takes the parent's count, so its programs use as many threads as the
+    # serial compile's would. (It set 1 here once: every Inductor kernel of an artifact built in parallel was
+    # single-threaded; the matmuls, ATen's, kept their threads, so SmolLM2 fp32 decode barely moved.)
+    torch.set_num_threads(job["threads"])
     blob = Path(job["program"]).read_bytes()
     weights = load_file(job["weights"])
     weights.update({alias: weights[name] for alias, name in job["aliases"].items()})
