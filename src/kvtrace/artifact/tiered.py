@@ -25,7 +25,6 @@ import atexit
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import signal
 import subprocess
@@ -346,13 +345,10 @@ def _child(argv: list[str]) -> int:
         os.nice(int(argv[1]))
     import warnings
 
-    warnings.filterwarnings("ignore")
-    from kvtrace.cli.main import QUIET_LOGGERS
+    from kvtrace.sources.quiet import quiet_libraries
 
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    quiet_libraries()
+    warnings.filterwarnings("ignore")  # all of them: nobody reads this process's stderr
     from kvtrace.artifact.store import cached_artifact
 
     try:

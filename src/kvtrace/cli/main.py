@@ -8,10 +8,7 @@ Errors are one line on stderr; ``--debug`` shows the traceback.
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-import warnings
 from collections.abc import Sequence
 
 from kvtrace import __version__
@@ -19,6 +16,7 @@ from kvtrace._errors import CaptureError, KvtraceError
 from kvtrace.cli import bench, cache, chat, export, generate, lint, run, serve, verify
 from kvtrace.cli.args import Parser, common
 from kvtrace.cli.ui import UI
+from kvtrace.sources.quiet import quiet_libraries
 
 EXAMPLES = {
     "generate": 'kvtrace generate "Who\'s the founder of Meta?"\n  echo "Hi" | kvtrace generate - --temperature 0.7 --seed 1',
@@ -62,29 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Loggers that talk to library authors: torchao (pulled in by transformers when installed, e.g. with the
-# executorch extra) logs each CUDA-only kernel library it cannot load on a CPU machine, and torch's pytree a
-# deprecation of how torchao registers its enums; four lines on every command that loads a model.
-QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
-def _quiet_libraries() -> None:
-    """Keep third-party noise out of the terminal: transformers' and huggingface_hub's progress bars
-    (kvtrace shows its own progress) and deprecation warnings addressed to library authors, not users.
-    ``--debug`` keeps them; a variable the user set wins."""
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    for category in (FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
-    for name in QUIET_LOGGERS:
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not args.debug:
-        _quiet_libraries()
+        quiet_libraries()  # --debug keeps the libraries' own output
     json_mode = args.json is True
     ui = UI(args.quiet, json_mode)
     try:
