@@ -11,7 +11,9 @@ from kvtrace.tools.runners import EagerRunner, SessionRunner
 from kvtrace.tools.verify import render
 from kvtrace.tools.verify_kv import verify_by_cache
 
-pytest.importorskip("executorch")  # the dev extra installs it; without it the backend is refused by name
+# Skipped only without the optional executorch extra; `make test` installs the dev extra (it includes it), so CI
+# runs this test. Without the extra, `--backend executorch` is refused by name (tests/backends/test_executorch.py).
+pytest.importorskip("executorch")
 pytestmark = [pytest.mark.slow, pytest.mark.compile]
 
 

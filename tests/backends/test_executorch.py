@@ -26,6 +26,8 @@ from kvtrace.backends import registry
 from kvtrace.backends.executorch import EXECUTORCH, is_pte, tokenizer_path
 from kvtrace.tools.runners import DecoderRunner, EagerRunner, Prompt, SessionRunner
 
+# Skipped only where the optional executorch extra is absent: `make test` installs the dev extra, which includes it,
+# so CI runs every test here. (test_missing_executorch_names_the_extra fakes its absence itself.)
 pytest.importorskip("executorch", reason="the executorch extra (pip install 'kvtrace[executorch]')")
 
 PROMPTS = [[5, 7, 9, 11, 13], [3, 4, 5]]
@@ -212,7 +214,7 @@ def _bpe_model_dir(d: Path) -> tuple[Path, object]:
 
 @pytest.mark.compile
 def test_executorchs_text_llm_runner_streams_eagers_greedy_tokens(tmp_path):
-    runner_mod = pytest.importorskip("executorch.extension.llm.runner")
+    import executorch.extension.llm.runner as runner_mod  # part of executorch, which this module requires
     from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (the .pte's fused kernels)
 
     (tmp_path / "src").mkdir()

@@ -130,9 +130,8 @@ class Artifact:
         (``kvtrace verify --artifact``); serving uses ``slot_engine``."""
         self._check_slots_runnable()
         programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
-        s = SlotSession(self.cache_spec, programs, slot=slot, vocab_size=self.manifest.vocab_size, device=self.device)
-        s.quant = self.manifest.quant  # verify's reference: the same quantized weights
-        return s
+        return SlotSession(self.cache_spec, programs, slot=slot, vocab_size=self.manifest.vocab_size,
+                           device=self.device, quant=self.manifest.quant)
 
     def _check_slots_runnable(self) -> None:
         """Slot programs take the cache as inputs; programs that hold their own (an ExecuTorch .pte) cannot."""

@@ -66,10 +66,11 @@ def _from_source(source: Any, *, dtype: torch.dtype, max_seq_len: int, batch_siz
             raise UsageError(f"kv_dtype={kv_dtype!r} asks for another cache than this Decoder declares "
                              f"(cache_spec.kv_dtype={source.cache_spec.kv_dtype!r}); a Decoder's cache_spec decides, "
                              "so leave kv_dtype unset or build the Decoder with it")
-        decoder = source if device_of(source) == device else copy.deepcopy(source).to(device)
-        if quant is not None:  # quantized on a copy: the caller's decoder keeps its weights
-            decoder, quant = _quantized(decoder if decoder is not source else copy.deepcopy(source), quant, None,
-                                        type(source).__name__)
+        # moved or quantized on a copy: the caller's decoder keeps its device and weights
+        keep = device_of(source) == device and quant is None
+        decoder = source if keep else copy.deepcopy(source).to(device)
+        if quant is not None:
+            decoder, quant = _quantized(decoder, quant, None, type(source).__name__)
         return decoder, None, ModelInfo(model_name=type(source).__name__), None, quant
     if isinstance(source, torch.nn.Module):
         model = source

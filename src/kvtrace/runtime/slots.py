@@ -355,7 +355,7 @@ class SlotSession:
     """
 
     def __init__(self, spec: CacheSpec, programs: Mapping[str, tuple[ProgramSpec, Program]], slot: int | None = None,
-                 vocab_size: int | None = None, device: str = "cpu"):
+                 vocab_size: int | None = None, device: str = "cpu", quant: Any = None):
         import dataclasses
 
         (self._pre_spec, self._prefill), (self._dec_spec, self._decode) = programs["prefill"], programs["decode"]
@@ -372,7 +372,7 @@ class SlotSession:
         self._device = torch.device(device)
         self._state = spec.allocate(device)
         self._pos = 0
-        self.quant: Any = None  # the programs' quantized weights (spec.quant.QuantSpec); verify's reference reads it
+        self.quant = quant  # the programs' quantized weights (spec.quant.QuantSpec); verify's reference reads it
 
     @property
     def position(self) -> int:
