@@ -23,7 +23,7 @@ import kvtrace
 from conftest import TINY, image_features, tiny_mllama, tiny_model
 from kvtrace._errors import UsageError
 from kvtrace.backends import registry
-from kvtrace.backends.executorch import EXECUTORCH, is_pte, tokenizer_path
+from kvtrace.backends.executorch import EXECUTORCH, _flatbuffer_program, is_pte, tokenizer_path
 from kvtrace.tools.runners import DecoderRunner, EagerRunner, Prompt, SessionRunner
 
 # Skipped only where the optional executorch extra is absent: `make test` installs the dev extra, which includes it,
@@ -186,7 +186,8 @@ def test_vision_decoder_verifies_image_and_text_prompts(tmp_path):
 # --- ExecuTorch's own LLM runner -------------------------------------------------------------------------------
 def _bpe_model_dir(d: Path) -> tuple[Path, object]:
     """A tiny byte-level BPE tokenizer (what ExecuTorch's HF tokenizer reads) and a random Llama whose greedy
-    picks are printable ASCII tokens (other rows of its head zeroed), saved as an HF model dir."""
+    picks are printable ASCII tokens (other rows of its head zeroed), saved as an HF model dir. Its head is tied
+    to its embedding, as in SmolLM2 and Llama 3.2."""
     import tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -199,7 +200,9 @@ def _bpe_model_dir(d: Path) -> tuple[Path, object]:
     tok = tokenizers.Tokenizer.from_file(str(d / "tokenizer.json"))
     torch.manual_seed(0)
     vocab = 320
-    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": vocab}, bos_token_id=0, eos_token_id=1)).eval()
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY, "vocab_size": vocab}, bos_token_id=0, eos_token_id=1,
+                                         tie_word_embeddings=True)).eval()
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     with torch.no_grad():
         model.model.embed_tokens.weight.mul_(20)
         words = [i for i in range(2, tok.get_vocab_size()) if tok.decode([i]).strip().isascii()
@@ -222,6 +225,11 @@ def test_executorchs_text_llm_runner_streams_eagers_greedy_tokens(tmp_path):
     pte = kvtrace.export(str(src), tmp_path / "model.pte", max_seq_len=64, backend="executorch")
     tok_file = tokenizer_path(pte)
     assert tok_file == tmp_path / "model.tokenizer.json" and tok_file.is_file()
+    # one copy of the tied table (the lookup's constant, which XNNPACK's head reads too), no stored zeros
+    blob = pte.read_bytes()
+    table = model.model.embed_tokens.weight.detach().contiguous().numpy().tobytes()
+    assert blob.count(table) == 1
+    assert _flatbuffer_program(blob).MutableDataSegmentsLength() == 0  # the declared zeros: the runtime's
     prompt, n = "the cat sat", 12
     runner = runner_mod.TextLLMRunner(str(pte), str(tok_file))
     pieces: list[str] = []

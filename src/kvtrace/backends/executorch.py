@@ -236,13 +236,17 @@ class ExecuTorchBackend(Backend):
         with _lean_xnnpack_passes():
             edge = to_edge_transform_and_lower(eps, partitioner=[XnnpackPartitioner()], constant_methods=consts)
         fqns = {s["fqn"] for s in state}
+        # A buffer declared all zeros is left to the runtime, which starts an unmarked mutable buffer at zero (as
+        # ExecuTorch's own LLM exports leave their K/V caches): serializing it would add its full size to the file.
+        # Any other declared value (-1 sentinels, flags) is serialized; verify checks both, fresh and after reset.
+        zero = {f"state_{i}" for i, b in enumerate(spec.buffers()) if not b.allocate().any()}
         for name in eps:
             ep = edge.exported_program(name)
             to_buffer = ep.graph_signature.inputs_to_buffers
             marked = set()
             for node in ep.graph.nodes:  # the CacheSpec's buffers, by the name each was registered under
                 if node.op == "placeholder" and to_buffer.get(node.target) in fqns:
-                    node.meta["et_init_buffer"] = self.initialize_state
+                    node.meta["et_init_buffer"] = self.initialize_state and to_buffer[node.target] not in zero
                     marked.add(to_buffer[node.target])
             if marked != fqns:
                 raise CaptureError(f"ExecuTorch program {name} lacks cache buffers {sorted(fqns - marked)} of the "
@@ -252,7 +256,7 @@ class ExecuTorchBackend(Backend):
             run_reinplace_pass=True,  # a functional index_put on a buffer written in place, not copied
             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(eps) > 1),
         )
-        blob = edge.to_executorch(config).buffer
+        blob = _share_duplicate_segments(edge.to_executorch(config).buffer)
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, blob)
         if tokenizer_json is not None and path.suffix == ".pte":  # for ExecuTorch's runners; any other name
@@ -339,6 +343,108 @@ def _delegable_norms(ep: torch.export.ExportedProgram) -> torch.export.ExportedP
     if changed:
         ep.graph_module.recompile()
     return ep
+
+
+# --- one copy of a tensor both a kernel and XNNPACK read ------------------------------------------------------
+_PAGE = 4096  # segments after a dropped one move by whole pages: every segment keeps its alignment
+
+
+def _share_duplicate_segments(blob: bytes) -> bytes:
+    """``blob`` with every XNNPACK weight segment that repeats a program constant pointed at that constant.
+
+    A tied embedding is read twice: by the embedding lookup (a portable kernel: a constant of the program, in its
+    constant segment) and by the vocabulary projection (XNNPACK: named data, its own segment). ExecuTorch
+    stores both; here the named data's segment entry is pointed at the constant's bytes inside the constant
+    segment and the duplicate bytes are dropped (the runtime reads a segment by offset and size, never its
+    neighbours). The program's flatbuffer is patched in place (same size); the file otherwise stays as written.
+    """
+    import struct
+
+    from executorch.exir._serialize._program import _ExtendedHeader, _get_extended_header
+
+    eh = _get_extended_header(blob)
+    if eh is None or eh.segment_data_size == 0:
+        return blob
+    program = _flatbuffer_program(blob)
+    base, data = eh.segment_base_offset, memoryview(blob)
+    segs = [program.Segments(i) for i in range(program.SegmentsLength())]
+    spans = [(s.Offset(), s.Size()) for s in segs]
+    cs = program.ConstantSegment()
+    if cs is None or cs.OffsetsLength() == 0:
+        return blob
+    c_start, c_size = spans[cs.SegmentIndex()]
+    starts = sorted({cs.Offsets(i) for i in range(cs.OffsetsLength())})
+    chunks = {a: b - a for a, b in zip(starts, [*starts[1:], c_size], strict=True) if b > a}  # with padding
+    named = {program.NamedData(i).SegmentIndex() for i in range(program.NamedDataLength())}
+    other = {cs.SegmentIndex(), *_other_segments(program)}
+    moved: dict[int, int] = {}  # segment index -> new offset (relative to the segment base)
+    for j in sorted(named - other):
+        off, size = spans[j]
+        payload = blob[base + off: base + off + size]
+        for a, padded in chunks.items():
+            if size <= padded < size + _PAGE and blob[base + c_start + a: base + c_start + a + size] == payload:
+                moved[j] = c_start + a
+                break
+    if not moved:
+        return blob
+    # Lay out the remaining segments: each moves back by the whole pages dropped before it.
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    dropped, shift, new_off = 0, {}, {}
+    for i in order:
+        off, size = spans[i]
+        if i in moved:
+            nxt = min((spans[k][0] for k in order if spans[k][0] > off), default=off + size)
+            dropped += nxt - off
+            continue
+        shift[i] = dropped - dropped % _PAGE
+        new_off[i] = off - shift[i]
+    new_off.update(moved)
+    end = max(new_off[i] + spans[i][1] for i in range(len(spans)) if i not in moved)
+    out = bytearray(base + end)
+    out[:base] = data[:base]
+    for i in shift:
+        off, size = spans[i]
+        out[base + new_off[i]: base + new_off[i] + size] = data[base + off: base + off + size]
+    for i, seg in enumerate(segs):
+        if new_off[i] == spans[i][0]:
+            continue
+        field = seg._tab.Offset(4)  # the uint64 "offset" of table DataSegment (absent when it was 0)
+        if field == 0:
+            return blob
+        struct.pack_into("<Q", out, seg._tab.Pos + field, new_off[i])
+    header = _ExtendedHeader(program_size=eh.program_size, segment_base_offset=base, segment_data_size=end).to_bytes()
+    out[8: 8 + len(header)] = header
+    return bytes(out)
+
+
+def _flatbuffer_program(blob: bytes) -> Any:
+    """ExecuTorch's generated flatbuffer reader over a .pte's program (its table classes wired up: the
+    generated modules import each other's modules where they mean the classes)."""
+    import importlib
+
+    pkg = "executorch.exir._serialize.generated.executorch_flatbuffer."
+    mods = {n: importlib.import_module(pkg + n) for n in (
+        "Program", "DataSegment", "NamedData", "SubsegmentOffsets", "ExecutionPlan", "BackendDelegate",
+        "BackendDelegateDataReference")}
+    for mod in mods.values():
+        for n, m in mods.items():
+            if getattr(mod, n, None) is m:
+                setattr(mod, n, getattr(m, n))
+    return mods["Program"].Program.GetRootAs(blob, 0)
+
+
+def _other_segments(program: Any) -> set[int]:
+    """Segments read as something other than named data: delegate blobs and mutable initial values."""
+    out = set()
+    for i in range(program.MutableDataSegmentsLength()):
+        out.add(program.MutableDataSegments(i).SegmentIndex())
+    for e in range(program.ExecutionPlanLength()):
+        plan = program.ExecutionPlan(e)
+        for d in range(plan.DelegatesLength()):
+            ref = plan.Delegates(d).Processed()
+            if ref is not None and ref.Location() == 1:  # DataLocation.SEGMENT
+                out.add(ref.Index())
+    return out
 
 
 def _registered_names() -> tuple[str, ...]:
