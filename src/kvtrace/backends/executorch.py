@@ -221,8 +221,7 @@ class ExecuTorchBackend(Backend):
     def export_file(self, path: Path, manifest: Manifest, eps: dict[str, torch.export.ExportedProgram],
                     dtype: torch.dtype, tokenizer_json: str | None) -> Path:
         require()
-        from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-        from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+        from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
         from executorch.exir.passes import MemoryPlanningPass
 
         spec = manifest.cache_spec
@@ -232,9 +231,12 @@ class ExecuTorchBackend(Backend):
         consts = {**metadata(manifest, fused), MANIFEST_METHOD: manifest.to_json(), STATE_METHOD: json.dumps(state)}
         if tokenizer_json is not None:
             consts[TOKENIZER_METHOD] = tokenizer_json
-        eps = {name: _delegable_norms(ep) for name, ep in eps.items()}
+        eps = {name: _delegable_views(_delegable_norms(ep)) for name, ep in eps.items()}
         with _lean_xnnpack_passes():
-            edge = to_edge_transform_and_lower(eps, partitioner=[XnnpackPartitioner()], constant_methods=consts)
+            edge = to_edge_transform_and_lower(
+                eps, partitioner=[_partitioner()], constant_methods=consts,
+                # as ExecuTorch's LLM exports: no dim-order ops, no IR re-verification after every pass
+                compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
         fqns = {s["fqn"] for s in state}
         # A buffer declared all zeros is left to the runtime, which starts an unmarked mutable buffer at zero (as
         # ExecuTorch's own LLM exports leave their K/V caches): serializing it would add its full size to the file.
@@ -292,9 +294,53 @@ _UNNEEDED_XNNPACK_PASSES = {"ConvertToUpsampleBilinear2d", "ConvertToSDPAPass", 
                             "DecomposeBatchNorm", "InsertPadQDQPass", "Conv1dUnsqueezePass", "PReLUReshapePass"}
 
 
+def _partitioner() -> Any:
+    """XNNPACK's partitioner, naming the ops it keeps whole (linear, ...) already checked against this program.
+
+    XNNPACK's own answer comes with a per-node check, which makes ExecuTorch decompose the program three times
+    (functionalize, decompose around marked nodes, decompose the rest): each a re-trace of every node, a
+    third of the lowering. Here an op is kept whole if every node of it passes that check (else decomposed
+    everywhere), so ExecuTorch takes its path without the check: functionalize, then decompose once."""
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+
+    class Checked(XnnpackPartitioner):
+        def ops_to_not_decompose(self, ep: Any) -> tuple[list[Any], None]:
+            ops, check = super().ops_to_not_decompose(ep)
+            if check is None:
+                return ops, None
+            nodes = [n for n in ep.graph.nodes if n.op == "call_function"]
+            return [op for op in ops if all(check(n) for n in nodes if n.target == op)], None
+
+    return Checked()
+
+
+def _pass_triggers() -> dict[str, Callable[[Any], bool]]:
+    """XNNPACK passes that rewrite only nodes of certain kinds -> whether a node is of them: a pass runs on a
+    partition only if one of its nodes is (otherwise it is a re-trace that changes nothing)."""
+    from executorch.backends.xnnpack._passes.channels_last_tagged_reshape_pass import (
+        ChannelsLastTaggedReshapePass,
+    )
+    from executorch.backends.xnnpack._passes.fuse_activation_pass import FuseActivationPass
+
+    def name(node: Any) -> str:
+        return getattr(node.target, "__name__", str(node.target))
+
+    nhwc = set(ChannelsLastTaggedReshapePass.memory_sensitive_ops_nhwc)  # wrapped in layout conversions
+    return {
+        "ChannelsLastTaggedReshapePass": lambda n: n.target in nhwc,
+        "RemoveRedundantCopyPass": lambda n: n.target in nhwc or "_to_copy" in name(n),  # its conversions' pairs
+        "FuseActivationPass": lambda n: n.target in FuseActivationPass.FUSEABLE_ACTIVATIONS,
+        "RemoveGetItemPass": lambda n: name(n) in ("aten.max_pool2d_with_indices.default", "aten.max.dim"),
+        "DecomposeConcatenate": lambda n: name(n) == "aten.cat.default" and len(n.args[0]) > 5,
+        "PropagateCustomMetaPass": lambda n: "quantize" in name(n),
+        "DimOrderOpsRevertPass": lambda n: "dim_order" in name(n),
+    }
+
+
 @contextmanager
 def _lean_xnnpack_passes() -> Iterator[None]:
-    """XNNPACK's default pass list without ``_UNNEEDED_XNNPACK_PASSES``, for one lowering."""
+    """XNNPACK's default pass list for one lowering, without ``_UNNEEDED_XNNPACK_PASSES`` and, per partition,
+    without the passes of ``_pass_triggers`` none of whose nodes it has."""
     from executorch.backends.xnnpack import _passes
 
     manager = getattr(_passes, "XNNPACKPassManager", None)
@@ -302,11 +348,14 @@ def _lean_xnnpack_passes() -> Iterator[None]:
     if init is None:  # another ExecuTorch layout: lower with its defaults
         yield
         return
+    triggers = _pass_triggers()
 
     def lean(self: Any, exported_program: Any, passes: Any = None) -> None:
         init(self, exported_program, passes)
         if not passes:
-            self.passes = [p for p in self.passes if p.__name__ not in _UNNEEDED_XNNPACK_PASSES]
+            nodes = [n for n in exported_program.graph.nodes if n.op == "call_function"]
+            self.passes = [p for p in self.passes if p.__name__ not in _UNNEEDED_XNNPACK_PASSES and (
+                p.__name__ not in triggers or any(map(triggers[p.__name__], nodes)))]
 
     manager.__init__ = lean
     try:
@@ -334,13 +383,44 @@ def _delegable_norms(ep: torch.export.ExportedProgram) -> torch.export.ExportedP
         with graph.inserting_before(node):
             up = graph.call_function(aten.unsqueeze.default, (x, -1))  # [B, T, C, 1]
             mean = graph.call_function(aten.mean.dim, (up, [2, 3], True))  # [B, T, 1, 1]
-            down = graph.call_function(aten.squeeze.dims, (mean, [-1]))  # [B, T, 1]
+            shape = _inferred_shape(node.meta["val"].shape)  # [B, T, 1] with T (symbolic) as -1: XNNPACK's reshape
+            down = graph.call_function(*((aten.view.default, (mean, shape)) if shape is not None
+                                         else (aten.squeeze.dims, (mean, [-1]))))
         up.meta["val"], mean.meta["val"] = val.unsqueeze(-1), node.meta["val"].unsqueeze(-1)
         down.meta["val"] = node.meta["val"]
         node.replace_all_uses_with(down)
         graph.erase_node(node)
         changed = True
     if changed:
+        ep.graph_module.recompile()
+    return ep
+
+
+def _inferred_shape(shape: Iterable[Any]) -> list[int] | None:
+    """``shape`` with its one symbolic size as -1 (None unless exactly one size is symbolic)."""
+    out = [d if isinstance(d, int) else -1 for d in shape]
+    return out if out.count(-1) == 1 else None
+
+
+def _delegable_views(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
+    """``view``/``reshape`` to a shape holding the token count (symbolic) as ``-1`` instead: the same view, in the form
+    XNNPACK's reshape takes (one inferred size, no symbolic ones), so head splits and merges stay delegated."""
+    import torch
+
+    aten = torch.ops.aten
+    changed = False
+    for node in ep.graph.nodes:
+        if node.op != "call_function" or node.target not in (aten.view.default, aten.reshape.default):
+            continue
+        shape = list(node.args[1])
+        symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
+        if len(symbolic) != 1 or -1 in shape:
+            continue
+        shape[symbolic[0]] = -1
+        node.args = (node.args[0], shape, *node.args[2:])
+        changed = True
+    if changed:
+        ep.graph.eliminate_dead_code()
         ep.graph_module.recompile()
     return ep
 
@@ -362,7 +442,7 @@ def _share_duplicate_segments(blob: bytes) -> bytes:
 
     from executorch.exir._serialize._program import _ExtendedHeader, _get_extended_header
 
-    eh = _get_extended_header(blob)
+    eh = _get_extended_header(blob[:64])  # (it slices what it is given: not the whole file)
     if eh is None or eh.segment_data_size == 0:
         return blob
     program = _flatbuffer_program(blob)
