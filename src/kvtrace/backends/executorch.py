@@ -429,7 +429,7 @@ def _delegable_views(ep: torch.export.ExportedProgram) -> torch.export.ExportedP
 _PAGE = 4096  # segments after a dropped one move by whole pages: every segment keeps its alignment
 
 
-def _share_duplicate_segments(blob: bytes) -> bytes:
+def _share_duplicate_segments(blob: bytes) -> bytes | bytearray:
     """``blob`` with every XNNPACK weight segment that repeats a program constant pointed at that constant.
 
     A tied embedding is read twice: by the embedding lookup (a portable kernel: a constant of the program, in its
@@ -494,7 +494,7 @@ def _share_duplicate_segments(blob: bytes) -> bytes:
         struct.pack_into("<Q", out, seg._tab.Pos + field, new_off[i])
     header = _ExtendedHeader(program_size=eh.program_size, segment_base_offset=base, segment_data_size=end).to_bytes()
     out[8: 8 + len(header)] = header
-    return bytes(out)
+    return out  # (a bytearray: not copied once more)
 
 
 def _flatbuffer_program(blob: bytes) -> Any:
@@ -553,7 +553,7 @@ def tokenizer_path(pte: str | os.PathLike[str]) -> Path:
     return p.with_name(f"{p.stem}.tokenizer.json")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, data: bytes | bytearray) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
