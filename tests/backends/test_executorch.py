@@ -89,6 +89,14 @@ def test_llama_pte_is_an_executorch_program_with_initialized_cache(llama_pte):
 
 
 @pytest.mark.compile
+def test_a_pte_without_shared_tensors_is_written_as_executorch_serialized_it(llama_pte):
+    from kvtrace.backends.executorch import _share_duplicate_segments
+
+    blob = llama_pte[1].read_bytes()  # untied head: no XNNPACK weight repeats a program constant
+    assert _share_duplicate_segments(blob) is blob
+
+
+@pytest.mark.compile
 def test_llama_pte_verifies_logits_and_every_cache_layer(llama_pte):
     dec, path = llama_pte
     report = kvtrace.verify(DecoderRunner(dec), [SessionRunner(kvtrace.load(path).session(), "executorch")],

@@ -457,13 +457,13 @@ def _share_duplicate_segments(blob: bytes) -> bytes | bytearray:
     chunks = {a: b - a for a, b in zip(starts, [*starts[1:], c_size], strict=True) if b > a}  # with padding
     named = {program.NamedData(i).SegmentIndex() for i in range(program.NamedDataLength())}
     other = {cs.SegmentIndex(), *_other_segments(program)}
-    moved: dict[int, int] = {}  # segment index -> new offset (relative to the segment base)
+    moved: dict[int, int] = {}  # segment index -> offset of the same bytes within the constant segment
     for j in sorted(named - other):
         off, size = spans[j]
         payload = blob[base + off: base + off + size]
         for a, padded in chunks.items():
             if size <= padded < size + _PAGE and blob[base + c_start + a: base + c_start + a + size] == payload:
-                moved[j] = c_start + a
+                moved[j] = a
                 break
     if not moved:
         return blob
@@ -478,7 +478,7 @@ def _share_duplicate_segments(blob: bytes) -> bytes | bytearray:
             continue
         shift[i] = dropped - dropped % _PAGE
         new_off[i] = off - shift[i]
-    new_off.update(moved)
+    new_off.update({j: new_off[cs.SegmentIndex()] + a for j, a in moved.items()})  # where the constant now is
     end = max(new_off[i] + spans[i][1] for i in range(len(spans)) if i not in moved)
     out = bytearray(base + end)
     out[:base] = data[:base]
