@@ -238,17 +238,16 @@ class ExecuTorchBackend(Backend):
                 # as ExecuTorch's LLM exports: no dim-order ops, no IR re-verification after every pass
                 compile_config=EdgeCompileConfig(_check_ir_validity=False, _skip_dim_order=True))
         fqns = {s["fqn"] for s in state}
-        # A buffer declared all zeros is left to the runtime, which starts an unmarked mutable buffer at zero (as
-        # ExecuTorch's own LLM exports leave their K/V caches): serializing it would add its full size to the file.
-        # Any other declared value (-1 sentinels, flags) is serialized; verify checks both, fresh and after reset.
-        zero = {f"state_{i}" for i, b in enumerate(spec.buffers()) if not b.allocate().any()}
+        # Every buffer, all-zero K/V included, is marked initialized and its declared value serialized: a runtime is
+        # free to hand a program unzeroed planned memory (the seed report's on-device failure), so the file carries
+        # the state the CacheSpec declares rather than relying on an allocator's zeros.
         for name in eps:
             ep = edge.exported_program(name)
             to_buffer = ep.graph_signature.inputs_to_buffers
             marked = set()
             for node in ep.graph.nodes:  # the CacheSpec's buffers, by the name each was registered under
                 if node.op == "placeholder" and to_buffer.get(node.target) in fqns:
-                    node.meta["et_init_buffer"] = self.initialize_state and to_buffer[node.target] not in zero
+                    node.meta["et_init_buffer"] = self.initialize_state
                     marked.add(to_buffer[node.target])
             if marked != fqns:
                 raise CaptureError(f"ExecuTorch program {name} lacks cache buffers {sorted(fqns - marked)} of the "
