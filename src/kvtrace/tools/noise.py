@@ -65,12 +65,15 @@ PERTURBATIONS: dict[str, type[TorchFunctionMode]] = {"float64-linear": Float64Li
 
 
 class PerturbedRunner:
-    """``runner`` with every prefill and decode computed under one of ``PERTURBATIONS``."""
+    """``runner`` with every prefill and decode computed under one of ``PERTURBATIONS``; its ``session`` (a
+    Session runner's: what verify reads a candidate's cache and quantization from) is the runner's."""
 
     def __init__(self, runner: Runner, perturbation: str):
         self.runner, self.perturbation = runner, perturbation
         self._mode = PERTURBATIONS[perturbation]
         self.name = f"{runner.name}+{perturbation}"
+        self.session = getattr(runner, "session", None)
+        self.prefill_logits = getattr(runner, "prefill_logits", "all")
 
     def reset(self) -> None:
         self.runner.reset()

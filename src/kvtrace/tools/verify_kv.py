@@ -33,7 +33,7 @@ import torch
 from kvtrace._errors import UsageError
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.quant import QuantSpec
-from kvtrace.tools.noise import PERTURBATIONS, PerturbedRunner
+from kvtrace.tools import noise as _noise
 from kvtrace.tools.runners import DecoderRunner, Prompt, Runner
 from kvtrace.tools.verify import NoiseFloor, VerifyReport, verify
 
@@ -75,11 +75,13 @@ def decoder_reference(model: torch.nn.Module, spec: CacheSpec, name: str | None 
 
 def noise_floor(reference: DecoderRunner, prompts: Sequence[Sequence[int] | torch.Tensor | Prompt], *,
                 steps: int = 8, dtype: torch.dtype = torch.float32, kv_dtype: str | None = None,
-                quant: str | None = None, perturbations: Sequence[str] = tuple(PERTURBATIONS)) -> NoiseFloor | None:
+                quant: str | None = None, perturbations: Sequence[str] | None = None) -> NoiseFloor | None:
     """The reference's own sensitivity: ``reference``'s decoder run again under each perturbation (a second
     Session over the same decoder, so no second copy of its weights), fed the reference's greedy tokens, compared
-    with the reference at every step as verify compares a candidate; None when a perturbed run fails."""
-    runs = [PerturbedRunner(DecoderRunner(reference.decoder, reference.name), p) for p in perturbations]
+    with the reference at every step as verify compares a candidate; None when a perturbed run fails.
+    ``perturbations``: names in ``tools.noise.PERTURBATIONS`` (default: all of them)."""
+    perturbations = tuple(_noise.PERTURBATIONS) if perturbations is None else tuple(perturbations)
+    runs = [_noise.PerturbedRunner(DecoderRunner(reference.decoder, reference.name), p) for p in perturbations]
     report = verify(reference, runs, prompts, steps=steps, dtype=dtype, kv_dtype=kv_dtype, quant=quant)
     return NoiseFloor.from_rows(report.rows, perturbations)
 
