@@ -568,4 +568,4 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
 
             # candidates with an int8 cache are judged against the same decoder with the same cache (verify_kv)
             return verify_by_cache(lm.model, EagerRunner(lm.model), cands, prompts, steps=args.steps, dtype=dtype,
-                                   fp32=fp32)
+                                   fp32=fp32, floor=getattr(args, "noise_floor", True))
