@@ -45,8 +45,9 @@ change of summation order. A greedy token can then differ only where the referen
 within twice that limit. A tensor whose floor is 0 (every tiny test model: the perturbations flip nothing)
 keeps the plain tolerance, so faults on tiny models are judged as before; a fault (a stale scale, a wrong
 group size, a dropped zero point or GGUF min) shows from layer 0 on, where the floor is at most one rounding
-step. Only verify's lossy-quantized groups (an int8 cache, quantized weights) get a floor; fp32 and bf16
-programs keep the first two routes.
+step. Only verify's lossy-quantized groups whose programs round to a step at run time get a floor (an int8
+cache; int8 / int4 / 8da4w weights, whose kernels round activations to bf16 or int8); fp32 and bf16 programs, and
+GGUF blocks computed in float32, keep the first two routes.
 
 The int8 cache vs the unquantized cache (the HF model's own, eager) is reported, not judged. What bounds
 it: a layer's K/V whose inputs are exact (layer 0) is within half a step, ``INT8_HALF_STEP * max|x|``, of

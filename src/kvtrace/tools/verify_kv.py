@@ -15,11 +15,13 @@ matmuls with the programs' activation rounding) and ``quant_tolerance``; bf16-ac
 second route, whose fp32 reference is the same quantized weights with float32 activations. Their error vs the
 unquantized model (the HF model eager; for a GGUF, its dequantized weights) goes to ``vs_fp32``.
 
-Every such group is lossy-quantized, so it is also judged with its reference's noise floor (``noise_floor``):
+A group whose programs round to a step at run time (an int8 cache; int8 / int4 / 8da4w weights, whose kernels
+round activations to bf16, 8da4w's to int8 first) is also judged with its reference's noise floor (``noise_floor``):
 the reference decoder re-run under each of ``tools.noise.PERTURBATIONS`` (every linear layer summed in float64,
 then in two halves), teacher-forced like the candidates, gives per compared tensor how far the reference is
 from itself; a candidate passes a tensor within the tolerance plus ``NOISE_MULTIPLE`` times that (the third
-route of ``kvtrace.spec.tolerances``). Unquantized candidates never get a floor.
+route of ``kvtrace.spec.tolerances``). Unquantized candidates and GGUF blocks computed in float32 (no rounding
+step: the float32 tolerance, exactly as before) never get a floor.
 """
 
 from __future__ import annotations
@@ -112,9 +114,13 @@ def verify_by_cache(model: torch.nn.Module, eager: Runner, candidates: Sequence[
             high = decoder_reference(model, dataclasses.replace(spec, dtype="float32"), "decoder-eager-fp32", quant)
         ref = decoder_reference(model, spec, quant=quant)
         how = {"dtype": dtype, "kv_dtype": spec.kv_dtype, "quant": quant.activations if quant else None}
-        noise = noise_floor(ref, prompts, steps=steps, **how) if floor else None
+        # a rounding step at run time (int8 cache writes; bf16 / int8 activations); a GGUF's blocks computed in
+        # float32 have none: its programs are judged as fp32 ones
+        steps_at_run_time = spec.kv_dtype is not None or (quant is not None and quant.activations != "float32")
+        measure = floor and steps_at_run_time
+        noise = noise_floor(ref, prompts, steps=steps, **how) if measure else None
         judged = verify(ref, cands, prompts, steps=steps, fp32=high, floor=noise, **how)
-        if floor and noise is None:  # measured and failed: the report says so
+        if measure and noise is None:  # measured and failed: the report says so
             judged.floors = {c.name: None for c in cands}
             judged.tolerance["noise_rule"] = "none: a perturbed run of the reference failed"
         measured = verify(eager, cands, prompts, steps=steps, dtype=dtype)  # vs the unquantized model
