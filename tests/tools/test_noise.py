@@ -235,6 +235,17 @@ def test_the_real_perturbations_on_a_tiny_model_give_an_ulp_sized_floor():
     assert len(floor.k) == 2 and floor.kv <= one_step
 
 
+def test_a_floor_for_last_position_candidates_is_taken_over_the_same_logits(monkeypatch):
+    """Artifacts that return only the prefill's last position are compared there: the floor of their logits is
+    measured there too (over all positions it could only be larger)."""
+    monkeypatch.setattr(noise, "PERTURBATIONS", {"round-jitter-1": round_jitter(1, 0.1)})
+    ref = DecoderRunner(make_decoder(tiny_model("llama"), max_seq_len=MAX_SEQ_LEN, kv_dtype="int8"))
+    every = noise_floor(ref, INT8_PROMPTS, steps=2, kv_dtype="int8")
+    last = noise_floor(ref, INT8_PROMPTS, steps=2, kv_dtype="int8", prefill_logits="last")
+    assert every is not None and last is not None and 0 < last.logits <= every.logits
+    assert (last.k, last.v) == (every.k, every.v)  # the cache is compared alike
+
+
 def _skips_the_scales(kind, k_cache, v_cache, scales, input_pos, k, v):
     """Planted fault: the values are written, the scales are not."""
     (qk, _), (qv, _) = int8.quantize(k), int8.quantize(v)

@@ -66,7 +66,8 @@ PERTURBATIONS: dict[str, type[TorchFunctionMode]] = {"float64-linear": Float64Li
 
 class PerturbedRunner:
     """``runner`` with every prefill and decode computed under one of ``PERTURBATIONS``; its ``session`` (a
-    Session runner's: what verify reads a candidate's cache and quantization from) is the runner's."""
+    Session runner's: what verify reads a candidate's cache and quantization from) is the runner's. Set
+    ``prefill_logits = "last"`` to return (and be compared on) the prefill's last position only."""
 
     def __init__(self, runner: Runner, perturbation: str):
         self.runner, self.perturbation = runner, perturbation
@@ -84,7 +85,8 @@ class PerturbedRunner:
 
     def prefill(self, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
         with self._mode():
-            return self.runner.prefill(tokens, **inputs)
+            logits = self.runner.prefill(tokens, **inputs)  # [B, T, V] (or [B, 1, V])
+        return logits[:, -1:] if self.prefill_logits == "last" else logits  # "last": as a last-only program's
 
     def decode(self, token: torch.Tensor) -> torch.Tensor:
         with self._mode():

@@ -77,13 +77,18 @@ def decoder_reference(model: torch.nn.Module, spec: CacheSpec, name: str | None 
 
 def noise_floor(reference: DecoderRunner, prompts: Sequence[Sequence[int] | torch.Tensor | Prompt], *,
                 steps: int = 8, dtype: torch.dtype = torch.float32, kv_dtype: str | None = None,
-                quant: str | None = None, perturbations: Sequence[str] | None = None) -> NoiseFloor | None:
+                quant: str | None = None, perturbations: Sequence[str] | None = None,
+                prefill_logits: str = "all") -> NoiseFloor | None:
     """The reference's own sensitivity: ``reference``'s decoder run again under each perturbation (a second
     Session over the same decoder, so no second copy of its weights), fed the reference's greedy tokens, compared
     with the reference at every step as verify compares a candidate; None when a perturbed run fails.
-    ``perturbations``: names in ``tools.noise.PERTURBATIONS`` (default: all of them)."""
+    ``perturbations``: names in ``tools.noise.PERTURBATIONS`` (default: all of them). ``prefill_logits``
+    "last": the prefill's logits compared on the last position only, as verify compares candidates that return
+    only that one (the floor is then taken over the same logits as the candidates' errors)."""
     perturbations = tuple(_noise.PERTURBATIONS) if perturbations is None else tuple(perturbations)
     runs = [_noise.PerturbedRunner(DecoderRunner(reference.decoder, reference.name), p) for p in perturbations]
+    for r in runs:
+        r.prefill_logits = prefill_logits
     report = verify(reference, runs, prompts, steps=steps, dtype=dtype, kv_dtype=kv_dtype, quant=quant)
     return NoiseFloor.from_rows(report.rows, perturbations)
 
@@ -118,7 +123,8 @@ def verify_by_cache(model: torch.nn.Module, eager: Runner, candidates: Sequence[
         # float32 have none: its programs are judged as fp32 ones
         steps_at_run_time = spec.kv_dtype is not None or (quant is not None and quant.activations != "float32")
         measure = floor and steps_at_run_time
-        noise = noise_floor(ref, prompts, steps=steps, **how) if measure else None
+        last = all(getattr(c, "prefill_logits", "all") == "last" for c in cands)
+        noise = noise_floor(ref, prompts, steps=steps, prefill_logits="last" if last else "all", **how) if measure else None
         judged = verify(ref, cands, prompts, steps=steps, fp32=high, floor=noise, **how)
         if measure and noise is None:  # measured and failed: the report says so
             judged.floors = {c.name: None for c in cands}
