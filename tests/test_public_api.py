@@ -17,7 +17,7 @@ EXPECTED = ERRORS | {
     "Session", "ProgramSet", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult",
     "GenerationStats", "Chunk", "Conversation", "Turn", "TurnStats", "Capturer", "EagerCapturer", "GraphStats",  # running
     "SlotEngine", "SlotRequest", "SlotEvent", "FinishReason", "SlotSession",  # many conversations over one batched cache
-    "verify", "VerifyReport", "StepRow", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
+    "verify", "VerifyReport", "StepRow", "NoiseFloor", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
     "DecoderRunner",
     "lint", "LintReport", "Finding",  # tools
 }

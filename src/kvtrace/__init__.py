@@ -78,6 +78,7 @@ _LAZY = {
     "verify": "kvtrace.tools.verify",
     "VerifyReport": "kvtrace.tools.verify",
     "StepRow": "kvtrace.tools.verify",
+    "NoiseFloor": "kvtrace.tools.verify",
     "Prompt": "kvtrace.tools.runners",
     "Runner": "kvtrace.tools.runners",
     "EagerRunner": "kvtrace.tools.runners",
@@ -119,6 +120,7 @@ __all__ = [
     "LayerState",
     "LintReport",
     "Manifest",
+    "NoiseFloor",
     "ProgramSet",
     "ProgramSpec",
     "Prompt",
@@ -172,7 +174,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.spec.quant import QuantSpec
     from kvtrace.tools.lint import Finding, LintReport, lint
     from kvtrace.tools.runners import DecoderRunner, EagerRunner, JitRunner, Prompt, Runner, SessionRunner
-    from kvtrace.tools.verify import StepRow, VerifyReport, verify
+    from kvtrace.tools.verify import NoiseFloor, StepRow, VerifyReport, verify
 
 
 def __getattr__(name: str) -> Any:

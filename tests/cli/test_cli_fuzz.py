@@ -177,7 +177,7 @@ def test_fuzz_verify_lint_cache_bench(world, data):
                 "--steps": _value("0", "1"), "--prompt": _value("hello"), "--max-seq-len": _value("16", "99999"),
                 "--artifact": st.sampled_from([str(art), str(root / "file.txt"), "/nonexistent.kvt"]),
                 "--json": st.sampled_from([str(root / "r.json"), str(root / "file.txt" / "r.json")]),
-                "--no-fp32-reference": None, "--raw": None, "--dtype": st.sampled_from(["float32", "half"])}
+                "--no-fp32-reference": None, "--no-noise-floor": None, "--raw": None, "--dtype": st.sampled_from(["float32", "half"])}
         flags = _flags(data.draw, opts)
         if "exported" in " ".join(flags):  # export only in combination with a refused size: no real export
             flags += ["--max-seq-len", "99999"]

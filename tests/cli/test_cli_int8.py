@@ -41,6 +41,25 @@ def test_export_and_verify_an_int8_cache_artifact(hf_dir, tmp_path, capsys):
     assert "kv_rule" in report["tolerance"] and "not judged" in text
     (u,) = report["vs_fp32"]["summary"]
     assert report["vs_fp32"]["judged"] is False and u["reference"] == "eager" and 0 < u["kv_max_abs"] < 0.05
+    # judged with the reference's noise floor too (two perturbed eager runs), shown in the table and the JSON
+    floor = report["noise_floors"]["int8.kvt"]
+    assert s["noise_floor"] == floor and floor["perturbations"] == ["float64-linear", "split-k-linear"]
+    assert floor["steps"] == s["steps"] and len(floor["k"]) == len(floor["v"]) > 0
+    assert "noise_rule" in report["tolerance"] and "noise floor" in text
+    assert sum(s["judged_by"].values()) == s["steps"] and {r["rule"] for r in report["rows"]} <= {"tolerance",
+                                                                                                "noise floor"}
+
+
+def test_verify_without_the_noise_floor(hf_dir, tmp_path, capsys):
+    art = tmp_path / "int8.kvt"
+    assert main(["export", str(hf_dir), "-o", str(art), "--max-seq-len", "32", "--kv-dtype", "int8", "-q"]) == 0
+    out = tmp_path / "report.json"
+    code = main(["verify", str(hf_dir), "--artifact", str(art), "--against", "", "--steps", "2", "--raw",
+                 "--prompt", "hello world", "--max-seq-len", "32", "--json", str(out), "--no-noise-floor"])
+    assert code == 0, capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert "noise_floors" not in report and "noise_rule" not in report["tolerance"]
+    assert report["summary"][0]["noise_floor"] is None
 
 
 def test_verify_against_exports_with_the_kv_dtype_flag(hf_dir, tmp_path, capsys):

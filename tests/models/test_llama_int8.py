@@ -138,6 +138,7 @@ def test_planted_stale_scale_fault_fails_verify(tmp_path, monkeypatch, built):
     fail = report.first_failure("stale-scales")
     assert fail is not None and (fail.prompt, fail.step) == (0, "prefill")
     assert fail.failure.startswith("layer 0 K max abs"), fail.failure
+    assert report.floors["stale-scales"] is not None  # failed with the reference's noise floor in force
 
 
 def test_scales_a_reset_leaves_behind_fail_verify_yet_are_never_read(built):

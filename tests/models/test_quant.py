@@ -204,6 +204,7 @@ def test_gguf_native_export_verifies_exactly_against_the_dequantized_gguf(kind, 
     assert report.tolerance["atol"] == "0.0001"  # the float32 tolerance: same numbers, float32 arithmetic
     (s,) = report.summary()
     assert s["reference"] == "decoder-eager-gguf" and s["logits_max_abs"] < 1e-4 and s["tokens_agree"] == s["steps"]
+    assert not report.floors and s["noise_floor"] is None  # float32 blocks, no rounding step: no noise floor
 
 
 # --- planted faults -----------------------------------------------------------------------------------
@@ -222,6 +223,7 @@ def test_planted_wrong_group_size_fails_verify(llama, exported, tmp_path, monkey
     assert report.first_failure("int4") is None
     fail = report.first_failure("wrong-group")
     assert fail is not None and (fail.prompt, fail.step) == (0, "prefill"), fail
+    assert report.floors["wrong-group"] is not None  # failed with the reference's noise floor in force
 
 
 def test_planted_dropped_zero_point_fails_verify(llama, exported, tmp_path, monkeypatch):
@@ -232,6 +234,7 @@ def test_planted_dropped_zero_point_fails_verify(llama, exported, tmp_path, monk
     report = _verify(llama, ("no-zero", bad))
     fail = report.first_failure("no-zero")
     assert fail is not None and (fail.prompt, fail.step) == (0, "prefill") and "layer 0" in fail.failure, fail
+    assert report.floors["no-zero"] is not None
 
 
 def test_planted_dropped_gguf_min_fails_verify(tmp_path, monkeypatch):
@@ -244,6 +247,7 @@ def test_planted_dropped_gguf_min_fails_verify(tmp_path, monkeypatch):
     monkeypatch.undo()
     report = _verify(load_model(path).model, ("no-min", bad), prompts=GGUF_PROMPTS)
     assert report.first_failure("no-min") is not None
+    assert "no-min" not in report.floors  # GGUF blocks: the float32 tolerance, no noise floor
 
 
 # --- refusals and the record -------------------------------------------------------------------------

@@ -44,6 +44,10 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="bfloat16 only: judge against eager bf16 alone (by default a candidate may also pass a "
                         "tensor by being no further from an fp32 run of the same weights than eager bf16 is; that "
                         "fp32 copy of the model needs twice the bf16 model's memory)")
+    p.add_argument("--no-noise-floor", dest="noise_floor", action="store_false", default=True,
+                   help="int8 caches and quantized weights: judge with the fixed tolerances alone (by default a "
+                        "candidate may also pass a tensor within the tolerance + 2x the reference's own noise floor, "
+                        "measured by two more eager runs of it with its linear layers summed differently)")
     p.add_argument("--max-seq-len", type=POSITIVE, default=256)
     p.add_argument("--raw", dest="chat", action="store_false", default=True)
     p.add_argument("--image-features", default=None, metavar="FILE.safetensors",

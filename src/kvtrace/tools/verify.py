@@ -19,6 +19,13 @@ An int8-cache candidate is judged against the same decoder run eagerly with the 
 (``tools.verify_kv``), its cache contents with ``kv_tolerance`` (one int8 step); its error vs the unquantized
 cache is reported, not judged (``VerifyReport.vs_fp32``). Each row names its reference.
 
+Lossy-quantized candidates (an int8 cache, quantized weights) also get the noise-floor route of
+``kvtrace.spec.tolerances``: ``floor`` (a ``NoiseFloor``, measured by ``tools.verify_kv`` from the reference
+re-run under ``tools.noise.PERTURBATIONS``) gives each compared tensor (logits; each layer's K, V) the
+reference's own difference from itself, and a candidate passes a tensor within the tolerance plus
+``NOISE_MULTIPLE`` times it. Rows say which route passed them (``StepRow.rule``); the summary and the report
+(``VerifyReport.floors``) give the floor each candidate was judged with.
+
 A failing row says what failed, cache first (the earliest layer whose K or V is off, with the first
 bad position), then the logits, e.g. ``"layer 0 K max abs 1.3 > 0.0001 (first bad position 0,
 worst 4); logits max abs 2.1 > 0.0005"``. A candidate that raises fails that step (the error is
@@ -38,6 +45,7 @@ from typing import Any
 import torch
 
 from kvtrace.spec.tolerances import (
+    NOISE_MULTIPLE,
     Tolerance,
     judge,
     kv_tolerance,
@@ -47,8 +55,11 @@ from kvtrace.spec.tolerances import (
 )
 from kvtrace.tools.runners import EagerRunner, JitRunner, LayerKV, Prompt, Runner, SessionRunner, Unavailable
 
-__all__ = ["EagerRunner", "JitRunner", "Prompt", "Runner", "SessionRunner", "StepRow", "Unavailable", "VerifyReport",
-           "verify"]
+__all__ = ["EagerRunner", "JitRunner", "NoiseFloor", "Prompt", "Runner", "SessionRunner", "StepRow", "Unavailable",
+           "VerifyReport", "verify"]
+
+# the routes of kvtrace.spec.tolerances, strictest first: a row records the loosest one any of its tensors needed
+RULES = ("tolerance", "fp32", "noise floor")
 
 @dataclass(frozen=True)
 class StepRow:
@@ -69,11 +80,51 @@ class StepRow:
     logits_vs_fp32: float | None = None  # with an fp32 reference: max|candidate - fp32| of the logits
     eager_logits_vs_fp32: float | None = None  # ... and eager's own max|eager - fp32|
     reference: str = "eager"  # the runner this row was compared with (an int8 cache: the same decoder, eager)
+    rule: str = ""  # a passing row: the loosest route (RULES) any of its tensors needed; "" when it failed
 
     @property
     def worst_layer(self) -> int:
         errs = [max(k, v) for k, v in zip(self.k_max_abs, self.v_max_abs, strict=True)]
         return max(range(len(errs)), key=errs.__getitem__) if errs else -1
+
+
+@dataclass(frozen=True)
+class NoiseFloor:
+    """A lossy-quantized reference's own sensitivity (``tools.noise``): per compared tensor, the largest
+    difference between the reference and any of its perturbed runs over the whole run (every prompt, every
+    step), which ``verify`` lets a candidate exceed the tolerance by ``multiple`` times."""
+
+    logits: float
+    k: tuple[float, ...]  # per layer
+    v: tuple[float, ...]
+    tokens_agree: int  # the fewest teacher-forced greedy tokens any perturbed run shares with the reference
+    steps: int
+    perturbations: tuple[str, ...]
+    multiple: float = NOISE_MULTIPLE
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[StepRow], perturbations: Sequence[str]) -> NoiseFloor | None:
+        """The floor from the rows of the perturbed runs (one candidate each); None when any of them raised or
+        produced a non-finite error (then there is no floor to judge by)."""
+        names = list(dict.fromkeys(r.candidate for r in rows))
+        if not rows or not all(r.cache_len_ok and math.isfinite(r.logits_max_abs) and
+                               all(math.isfinite(x) for x in (*r.k_max_abs, *r.v_max_abs)) for r in rows):
+            return None
+        n_layers = len(rows[0].k_max_abs)
+        return cls(logits=max(r.logits_max_abs for r in rows),
+                   k=tuple(max(r.k_max_abs[i] for r in rows) for i in range(n_layers)),
+                   v=tuple(max(r.v_max_abs[i] for r in rows) for i in range(n_layers)),
+                   tokens_agree=min(sum(r.token_agree for r in rows if r.candidate == n) for n in names),
+                   steps=len(rows) // len(names), perturbations=tuple(perturbations))
+
+    @property
+    def kv(self) -> float:
+        return max((*self.k, *self.v), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"logits": self.logits, "kv_max": self.kv, "k": list(self.k), "v": list(self.v),
+                "tokens_agree": self.tokens_agree, "steps": self.steps, "perturbations": list(self.perturbations),
+                "multiple": self.multiple}
 
 
 @dataclass
@@ -83,6 +134,8 @@ class VerifyReport:
     rows: list[StepRow] = field(default_factory=list)
     # int8-cache candidates vs the unquantized cache (the HF model, eager): reported, never judged
     vs_fp32: VerifyReport | None = None
+    # candidate -> the noise floor it was judged with (lossy-quantized candidates; None: it could not be measured)
+    floors: dict[str, NoiseFloor | None] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -101,6 +154,7 @@ class VerifyReport:
             worst = max(rows, key=lambda r: r.logits_max_abs)
             kv = max(rows, key=lambda r: max((*r.k_max_abs, *r.v_max_abs), default=0.0))
             fail = self.first_failure(c)
+            floor = self.floors.get(c)
             out.append({
                 "candidate": c,
                 "reference": rows[0].reference,
@@ -118,18 +172,23 @@ class VerifyReport:
                 "first_failure": "" if fail is None else f"prompt {fail.prompt} step {fail.step}: {fail.failure}",
                 "logits_vs_fp32": _max_or_none(r.logits_vs_fp32 for r in rows),
                 "eager_logits_vs_fp32": _max_or_none(r.eager_logits_vs_fp32 for r in rows),
+                # how many steps each route passed (RULES); a failing step counts under none
+                "judged_by": {k: n for k in RULES if (n := sum(r.rule == k for r in rows))},
+                "noise_floor": None if floor is None else floor.to_dict(),
             })
         return out
 
     def unjudged(self) -> list[dict[str, Any]]:
         """``summary()`` without its verdict: the errors of a comparison that is reported, not judged."""
-        drop = ("passed", "result", "tolerance", "first_failure")
+        drop = ("passed", "result", "tolerance", "first_failure", "judged_by", "noise_floor")
         return [{k: v for k, v in s.items() if k not in drop} for s in self.summary()]
 
     def to_json(self) -> str:
         """Strict JSON (an infinite or NaN error is written as null; the row's ``failure`` says why)."""
         doc = {"passed": self.passed, "result": "PASS" if self.passed else "FAIL", "dtype": self.dtype,
                "tolerance": self.tolerance, "summary": self.summary(), "rows": [asdict(r) for r in self.rows]}
+        if self.floors:
+            doc["noise_floors"] = {c: None if f is None else f.to_dict() for c, f in self.floors.items()}
         if self.vs_fp32 is not None:
             doc["vs_fp32"] = {"judged": False, "summary": self.vs_fp32.unjudged()}
         return json.dumps(_finite(doc), indent=2, allow_nan=False)
@@ -155,15 +214,17 @@ def _finite(x: Any) -> Any:
 def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand: Runner,
              ref_logits: torch.Tensor, cand_logits: torch.Tensor, tol: Tolerance,
              fp32: Runner | None = None, fp32_logits: torch.Tensor | None = None,
-             kv_tol: Tolerance | None = None) -> StepRow:
+             kv_tol: Tolerance | None = None, floor: NoiseFloor | None = None) -> StepRow:
     ref_f, cand_f = ref_logits.float(), cand_logits.float()
     vs_fp32 = eager_vs_fp32 = None
+    routes: list[str] = []  # the route that passed each tensor
     if cand_f.shape != ref_f.shape:
         l_abs = l_rel = math.inf
         top1, tok_ok = 0.0, False
         logits_failure = f"logits shape {list(cand_f.shape)} != eager {list(ref_f.shape)}"
     else:
-        j = judge(cand_f, ref_f, tol, fp32_logits)
+        j = judge(cand_f, ref_f, tol, fp32_logits, floor.logits if floor is not None else None)
+        routes.append(j.route)
         l_abs = j.diff
         l_rel = l_abs / max(ref_f.abs().max().item(), 1e-12)
         top1 = (cand_f.argmax(-1) == ref_f.argmax(-1)).float().mean().item()
@@ -201,11 +262,14 @@ def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand
             continue
         fk, fv = f_kv if f_kv is not None and f_kv[0].shape == rk.shape else (None, None)
         for which, r, c, f, acc in (("K", rk, ck, fk, ks), ("V", rv, cv, fv, vs)):
-            j = judge(c, r, kv_tol or tol, f)
+            n = None if floor is None or i >= len(floor.k) else (floor.k if which == "K" else floor.v)[i]
+            j = judge(c, r, kv_tol or tol, f, n)
+            routes.append(j.route)
             acc.append(j.diff)
             if not j.passed:
-                # positions over the limit of the route that decided: fp32's when it was tried, else eager's
-                base, lim = (f, j.fp32_limit) if j.fp32_limit is not None else (r, j.limit)
+                # positions over the limit of the route that decided: fp32's when it was tried, else the loosest
+                # of eager's (the tolerance, the noise floor)
+                base, lim = (f, j.fp32_limit) if j.fp32_limit is not None else (r, j.loosest_limit)
                 per_pos = (c.float() - base.float()).abs().amax(dim=(0, 1, 3))  # [P]
                 bad = (~(per_pos <= lim)).nonzero().flatten()
                 first = int(bad[0]) if bad.numel() else -1
@@ -218,8 +282,9 @@ def _compare(name: str, prompt: int, step: str, position: int, ref: Runner, cand
     if len(cache_failures) > 1:
         parts[0] += f" (+{len(cache_failures) - 1} more layer K/V)"
     failure = "; ".join([*parts, *([logits_failure] if logits_failure else [])])
+    rule = "" if failure else RULES[max((RULES.index(r) for r in routes if r), default=0)]
     return StepRow(name, prompt, step, position, l_abs, l_rel, top1, tok_ok, tuple(ks), tuple(vs), len_ok,
-                   not failure, failure, vs_fp32, eager_vs_fp32)
+                   not failure, failure, vs_fp32, eager_vs_fp32, rule=rule)
 
 
 def _error_row(name: str, prompt: int, step: str, position: int, n_layers: int, failure: str) -> StepRow:
@@ -242,6 +307,7 @@ def verify(
     fp32: Runner | None = None,
     kv_dtype: str | None = None,
     quant: str | None = None,
+    floor: NoiseFloor | None = None,
 ) -> VerifyReport:
     """Run every prompt (reset before each) through reference and candidates; compare every step.
 
@@ -252,7 +318,9 @@ def verify(
     judged with ``kv_tolerance`` (one int8 step) instead of the dtype's tolerance. ``quant``: the candidates'
     quantized weights compute with these activations ("bfloat16", "int8-dynamic", "float32") and the reference
     is the same quantized weights run eagerly: ``quant_tolerance``; with bf16 activations ``fp32`` may be the
-    same weights with float32 activations."""
+    same weights with float32 activations. ``floor``: the reference's noise floor (lossy-quantized candidates,
+    measured by ``tools.verify_kv.noise_floor``): the third route, each tensor within the tolerance plus
+    ``floor.multiple`` times its floor."""
     from kvtrace._errors import UsageError
 
     tol = quant_tolerance(dtype, quant) if quant is not None else tolerance_for(dtype)
@@ -264,7 +332,8 @@ def verify(
     report = VerifyReport(tolerance={"atol": str(tol.atol), "rtol": str(tol.rtol), "rule": rule,
                                      "fp32_reference": str(fp32 is not None).lower(),
                                      **({"kv_rule": str(kv_tol)} if kv_tol is not None else {}),
-                                     **({"quant_rule": f"{quant} activations: {rule}"} if quant is not None else {})},
+                                     **({"quant_rule": f"{quant} activations: {rule}"} if quant is not None else {}),
+                                     **({"noise_rule": noise_rule(floor)} if floor is not None else {})},
                           dtype=str(dtype).removeprefix("torch."))
     with torch.inference_mode():
         for p_idx, prompt in enumerate(prompts):
@@ -313,7 +382,8 @@ def verify(
                         last = s == 0 and getattr(c, "prefill_logits", "all") == "last"
                         row = _compare(c.name, p_idx, step, pos, reference, c,
                                        ref_logits[:, -1:] if last else ref_logits, out, tol, fp32,
-                                       f_logits[:, -1:] if last and f_logits is not None else f_logits, kv_tol)
+                                       f_logits[:, -1:] if last and f_logits is not None else f_logits, kv_tol,
+                                       floor)
                     except Exception as e:
                         row = _error_row(c.name, p_idx, step, pos, n_layers, _describe(e))
                         broken[c_idx] = f"skipped: {_describe(e)} at step {step}"
@@ -323,12 +393,23 @@ def verify(
                     report.rows.append(row)
     if reference.name != "eager":
         report.rows = [dataclasses.replace(r, reference=reference.name) for r in report.rows]
+    if floor is not None:
+        report.floors = {c.name: floor for c in candidates}
     return report
+
+
+def noise_rule(floor: NoiseFloor) -> str:
+    """What the noise-floor route says, for the report's tolerance block."""
+    return (f"lossy-quantized candidates also pass a tensor within the tolerance + {floor.multiple:g} x the "
+            f"reference's own noise floor for it (its largest difference from itself over the whole run under "
+            f"{', '.join(floor.perturbations)})")
 
 
 def render(report: VerifyReport) -> Any:
     """A rich renderable: one summary row per candidate, with the tolerance in the title; int8-cache
-    candidates also get a table of their error vs the unquantized cache (reported, not judged)."""
+    candidates also get a table of their error vs the unquantized cache (reported, not judged). Candidates
+    judged with a noise floor get its column (the floor of the logits / the largest of any K/V layer, and the
+    perturbed runs' greedy tokens), and a PASS names the loosest route it needed."""
     from rich.console import Group
     from rich.table import Table
 
@@ -342,22 +423,32 @@ def render(report: VerifyReport) -> Any:
                 f"tolerance {report.tolerance['rule']}" + (f"; failed: {', '.join(failed)}" if failed else "")
                 + (f"; int8 caches: K/V within {kv_rule} of the same decoder's eager int8 cache" if kv_rule else "")
                 + (f"; quantized weights vs the same quantized weights eager, {report.tolerance['quant_rule']}"
-                   if "quant_rule" in report.tolerance else ""),
+                   if "quant_rule" in report.tolerance else "")
+                + (f"; noise floor: {report.tolerance['noise_rule']}" if "noise_rule" in report.tolerance else ""),
     )
+    with_floor = bool(report.floors)
     with_fp32 = report.tolerance.get("fp32_reference") == "true"
     for col in ("candidate", "steps", "logits max abs", "worst step", "top-1 agree", "greedy tokens",
-                "K/V max abs", "worst K/V", *(["logits vs fp32 (cand / eager)"] if with_fp32 else []), "result"):
+                "K/V max abs", "worst K/V", *(["logits vs fp32 (cand / eager)"] if with_fp32 else []),
+                *(["noise floor: logits / K/V (tokens)"] if with_floor else []), "result"):
         t.add_column(col, overflow="fold")
     for s in summary:
         fp32_col = []
         if with_fp32:
             c, e = s["logits_vs_fp32"], s["eager_logits_vs_fp32"]
             fp32_col = ["-" if c is None or e is None else f"{c:.3g} / {e:.3g}"]
+        floor_col = []
+        if with_floor:
+            n = s["noise_floor"]
+            floor_col = ["-" if n is None else f"{n['logits']:.3g} / {n['kv_max']:.3g} ({n['tokens_agree']}/{n['steps']})"]
         name = s["candidate"] if s["reference"] == "eager" else f"{s['candidate']} (vs {s['reference']})"
+        loosest = next((k for k in reversed(RULES) if k in s["judged_by"]), "tolerance")
+        how = "" if loosest == "tolerance" else f" ({loosest}: {s['judged_by'][loosest]}/{s['steps']} steps)"
         t.add_row(
             name, str(s["steps"]), f"{s['logits_max_abs']:.3g}", s["logits_worst_step"],
             f"{s['top1_agree']:.3f}", f"{s['tokens_agree']}/{s['steps']}", f"{s['kv_max_abs']:.3g}", s["kv_worst"],
-            *fp32_col, "[green]PASS[/green]" if s["passed"] else f"[red]FAIL[/red] {s['first_failure']}",
+            *fp32_col, *floor_col,
+            f"[green]PASS[/green]{how}" if s["passed"] else f"[red]FAIL[/red] {s['first_failure']}",
         )
     if report.vs_fp32 is None:
         return t
@@ -477,4 +568,4 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
 
             # candidates with an int8 cache are judged against the same decoder with the same cache (verify_kv)
             return verify_by_cache(lm.model, EagerRunner(lm.model), cands, prompts, steps=args.steps, dtype=dtype,
-                                   fp32=fp32)
+                                   fp32=fp32, floor=getattr(args, "noise_floor", True))
