@@ -48,7 +48,7 @@ def _in_process(path, turns: list[str]) -> list[tuple[str, dict]]:
 
 def _spawn(path, tmp_path) -> pexpect.spawn:
     child = pexpect.spawn(sys.executable, ["-m", "kvtrace.cli", "chat", str(path), "--max-new-tokens", str(ANSWER)],
-                          env=_env(tmp_path), encoding="utf-8", timeout=120, dimensions=(40, 200))
+                          env=_env(tmp_path), encoding="utf-8", timeout=300, dimensions=(40, 200))
     child.expect_exact("> ")
     return child
 
