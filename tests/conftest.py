@@ -41,8 +41,37 @@ FAMILY_ARCHS = {
 }
 
 
+# The default suite (``make check``, the first stage of ``make test``) runs every test that neither loads the real
+# model (``slow``) nor compiles (``compile``), plus these compile tests, one per compiled path: the seed scenario
+# through the Inductor jit, a jit trust check, the vision decoder through Inductor, an AOTI artifact step by step,
+# aoti-packed, an ExecuTorch .pte, a GGUF-native quantized artifact. Every other compile test runs in
+# ``make test``'s second stage, with the real-model tests (CI runs both stages).
+ESSENTIAL = (
+    "tests/runtime/test_jit.py::test_seed_scenario[inductor]",
+    "tests/runtime/test_jit_trust.py::test_branch_on_symbolic_cache_length_is_checked_every_call_inductor",
+    "tests/runtime/test_jit_mllama.py::test_image_generation_matches_eager[inductor]",
+    "tests/artifact/test_export.py::test_logits_and_cache_match_eager_step_by_step[llama-aoti]",
+    "tests/artifact/test_export.py::test_aoti_packed_matches_eager_with_one_program_holding_the_weights[float32-all]",
+    "tests/backends/test_executorch.py::test_llama_pte_verifies_logits_and_every_cache_layer",
+    "tests/models/test_quant.py::test_compiled_quantized_artifacts_verify[gguf-aoti]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: ``-m essential`` must see the marker
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` run only where torch sees a GPU; elsewhere they are skipped, saying why."""
+    """``essential`` on the ESSENTIAL compile tests (a listed test that no longer exists is an error, so the
+    default suite cannot lose one silently); tests marked ``cuda`` run only where torch sees a GPU, elsewhere
+    they are skipped, saying why."""
+    ids = {item.nodeid: item for item in items}
+    files = {item.nodeid.split("::")[0] for item in items}
+    for nodeid in ESSENTIAL:
+        if nodeid in ids:
+            item = ids[nodeid]
+            if item.get_closest_marker("compile") is None:
+                raise pytest.UsageError(f"ESSENTIAL lists {nodeid}, which is not marked compile: take it off the list")
+            item.add_marker(pytest.mark.essential)
+        elif nodeid.split("::")[0] in files and not any("::" in a for a in config.args):  # not a picked subset
+            raise pytest.UsageError(f"ESSENTIAL lists {nodeid}, which its file no longer has: update tests/conftest.py")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine "
