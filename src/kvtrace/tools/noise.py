@@ -30,30 +30,31 @@ from kvtrace.tools.runners import LayerKV, Runner
 __all__ = ["PERTURBATIONS", "Float64Linear", "PerturbedRunner", "SplitKLinear"]
 
 
-def _linear_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
-    return x, w, args[2] if len(args) > 2 else kwargs.get("bias")
-
-
-class Float64Linear(TorchFunctionMode):
-    """Every ``F.linear`` summed in float64 and rounded once to its input's dtype."""
+class _LinearMode(TorchFunctionMode):
+    """Every ``F.linear`` computed by ``linear(x, w, b)`` instead; everything else as it comes."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if func is not F.linear:
             return func(*args, **kwargs)
-        x, w, b = _linear_args(args, kwargs)
+        x, w = args[0], args[1] if len(args) > 1 else kwargs["weight"]
+        return self.linear(x, w, args[2] if len(args) > 2 else kwargs.get("bias"))
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Float64Linear(_LinearMode):
+    """Every ``F.linear`` summed in float64 and rounded once to its input's dtype."""
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x.double(), w.double(), None if b is None else b.double()).to(x.dtype)
 
 
-class SplitKLinear(TorchFunctionMode):
+class SplitKLinear(_LinearMode):
     """Every ``F.linear`` as the sum of two halves of its reduction (in the input's dtype)."""
 
-    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is not F.linear:
-            return func(*args, **kwargs)
-        x, w, b = _linear_args(args, kwargs)
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         h = w.shape[1] // 2
         if h == 0:
             return F.linear(x, w, b)
@@ -67,14 +68,15 @@ PERTURBATIONS: dict[str, type[TorchFunctionMode]] = {"float64-linear": Float64Li
 class PerturbedRunner:
     """``runner`` with every prefill and decode computed under one of ``PERTURBATIONS``; its ``session`` (a
     Session runner's: what verify reads a candidate's cache and quantization from) is the runner's. Set
-    ``prefill_logits = "last"`` to return (and be compared on) the prefill's last position only."""
+    ``prefill_logits="last"`` to return (and be compared on) the prefill's last position only (default: the
+    runner's own)."""
 
-    def __init__(self, runner: Runner, perturbation: str):
+    def __init__(self, runner: Runner, perturbation: str, prefill_logits: str | None = None):
         self.runner, self.perturbation = runner, perturbation
         self._mode = PERTURBATIONS[perturbation]
         self.name = f"{runner.name}+{perturbation}"
         self.session = getattr(runner, "session", None)
-        self.prefill_logits = getattr(runner, "prefill_logits", "all")
+        self.prefill_logits = prefill_logits or getattr(runner, "prefill_logits", "all")
 
     def reset(self) -> None:
         self.runner.reset()

@@ -92,7 +92,7 @@ class StepRow:
 class NoiseFloor:
     """A lossy-quantized reference's own sensitivity (``tools.noise``): per compared tensor, the largest
     difference between the reference and any of its perturbed runs over the whole run (every prompt, every
-    step), which ``verify`` lets a candidate exceed the tolerance by ``multiple`` times."""
+    step), which ``verify`` lets a candidate exceed the tolerance by ``NOISE_MULTIPLE`` times."""
 
     logits: float
     k: tuple[float, ...]  # per layer
@@ -100,7 +100,6 @@ class NoiseFloor:
     tokens_agree: int  # the fewest teacher-forced greedy tokens any perturbed run shares with the reference
     steps: int
     perturbations: tuple[str, ...]
-    multiple: float = NOISE_MULTIPLE
 
     @classmethod
     def from_rows(cls, rows: Sequence[StepRow], perturbations: Sequence[str]) -> NoiseFloor | None:
@@ -124,7 +123,7 @@ class NoiseFloor:
     def to_dict(self) -> dict[str, Any]:
         return {"logits": self.logits, "kv_max": self.kv, "k": list(self.k), "v": list(self.v),
                 "tokens_agree": self.tokens_agree, "steps": self.steps, "perturbations": list(self.perturbations),
-                "multiple": self.multiple}
+                "multiple": NOISE_MULTIPLE}
 
 
 @dataclass
@@ -320,7 +319,7 @@ def verify(
     is the same quantized weights run eagerly: ``quant_tolerance``; with bf16 activations ``fp32`` may be the
     same weights with float32 activations. ``floor``: the reference's noise floor (lossy-quantized candidates,
     measured by ``tools.verify_kv.noise_floor``): the third route, each tensor within the tolerance plus
-    ``floor.multiple`` times its floor."""
+    ``NOISE_MULTIPLE`` times its floor."""
     from kvtrace._errors import UsageError
 
     tol = quant_tolerance(dtype, quant) if quant is not None else tolerance_for(dtype)
@@ -400,7 +399,7 @@ def verify(
 
 def noise_rule(floor: NoiseFloor) -> str:
     """What the noise-floor route says, for the report's tolerance block."""
-    return (f"lossy-quantized candidates also pass a tensor within the tolerance + {floor.multiple:g} x the "
+    return (f"lossy-quantized candidates also pass a tensor within the tolerance + {NOISE_MULTIPLE:g} x the "
             f"reference's own noise floor for it (its largest difference from itself over the whole run under "
             f"{', '.join(floor.perturbations)})")
 

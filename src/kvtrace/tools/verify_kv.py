@@ -86,9 +86,8 @@ def noise_floor(reference: DecoderRunner, prompts: Sequence[Sequence[int] | torc
     "last": the prefill's logits compared on the last position only, as verify compares candidates that return
     only that one (the floor is then taken over the same logits as the candidates' errors)."""
     perturbations = tuple(_noise.PERTURBATIONS) if perturbations is None else tuple(perturbations)
-    runs = [_noise.PerturbedRunner(DecoderRunner(reference.decoder, reference.name), p) for p in perturbations]
-    for r in runs:
-        r.prefill_logits = prefill_logits
+    runs = [_noise.PerturbedRunner(DecoderRunner(reference.decoder, reference.name), p, prefill_logits)
+            for p in perturbations]
     report = verify(reference, runs, prompts, steps=steps, dtype=dtype, kv_dtype=kv_dtype, quant=quant)
     return NoiseFloor.from_rows(report.rows, perturbations)
 
