@@ -91,4 +91,4 @@ def test_bench_puts_quantized_rows_side_by_side(hf_dir):
     assert all(not r["error"] for r in by.values()), [r["error"] for r in by.values()]
     assert by["int4"]["bytes_per_token"] < by["int8"]["bytes_per_token"] < by["none"]["bytes_per_token"]
     assert by["int4"]["artifact_mib"] < by["none"]["artifact_mib"]
-    assert "| exported | float32 | int4 | 4 |" in render_markdown(data)
+    assert "| exported | float32 | int4 | auto | 4 |" in render_markdown(data)

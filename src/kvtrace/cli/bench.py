@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, device_arg, int_list, quant_args
+from kvtrace.cli.args import POSITIVE, device_arg, int_list, kv_dtype_arg, quant_args
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -26,10 +26,11 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
 
     from kvtrace.serve.bench import render_markdown, run_serve_bench
 
-    ignored = [f for f, on in (("--quant", args.quant != "none"), ("--device", str(args.device) != "cpu"),
+    ignored = [f for f, on in (("--quant", args.quant != "none"), ("--kv-dtype", args.kv_dtype != "auto"),
+                               ("--device", str(args.device) != "cpu"),
                                ("--cuda-graphs", args.cuda_graphs), ("--plot", args.plot is not None)) if on]
     if ignored:
-        raise UsageError(f"bench --serve measures a CPU slots artifact of unquantized weights; {', '.join(ignored)} "
+        raise UsageError(f"bench --serve measures a CPU slots artifact of unquantized weights and cache; {', '.join(ignored)} "
                          "is not offered with it: drop it")
     clients = tuple(int(x) for x in str(args.clients).split(","))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -57,6 +58,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--runs", type=POSITIVE, default=3)
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     quant_args(p, many=True)
+    kv_dtype_arg(p, many=True)
     p.add_argument("--serve", action="store_true",
                    help="measure kvtrace serve instead: aggregate tokens/s, time to first token and inter-token "
                         "latency for --clients concurrent clients (a server process on the model's slots artifact; "

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,7 @@ class BenchResult:
     prompt_len: int
     new_tokens: int
     quant: str = "none"  # the artifact's quantized weights (``export``'s quant scheme), "none" for none
+    kv_dtype: str = "auto"  # the artifact's KV cache storage (``export``'s kv_dtype): "auto" = the model's dtype
     load_s: float = 0.0
     compile_s: float = 0.0
     prefill_ms: float = 0.0  # median
@@ -236,11 +237,12 @@ IN_PROCESS: dict[str, Callable[[torch.nn.Module, int], _Stepper]] = {
 
 def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str,
           load_session: bool = True, device: torch.device | None = None, cuda_graphs: bool = False,
-          artifact: Path | None = None, quant: str = "none", quant_opts: dict[str, Any] | None = None) -> _Stepper:
+          artifact: Path | None = None, quant: str = "none", quant_opts: dict[str, Any] | None = None,
+          kv_dtype: str = "auto") -> _Stepper:
     """The backend ready to run; for artifact backends with ``load_session=False``, only the built file.
     ``cuda_graphs``: the artifact's session decodes from CUDA graphs; ``artifact``: one already built;
     ``quant``: the artifact's quantized weights (``export``'s ``quant``; ``quant_opts``: its ``quant_group_size``
-    and ``quant_head``)."""
+    and ``quant_head``); ``kv_dtype``: its KV cache storage (``export``'s)."""
     quant_opts = quant_opts or {}
     if backend in IN_PROCESS:
         return IN_PROCESS[backend](model, max_seq_len)
@@ -257,13 +259,13 @@ def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, d
         workdir = tempfile.TemporaryDirectory(prefix="kvtrace-bench-")
         path = Path(workdir.name) / f"{backend}.kvt"
         export(model, path, max_seq_len=max_seq_len, dtype=dtype, backend=backend, prefill_logits="last",
-               device=device, quant=quant, **quant_opts)
+               device=device, quant=quant, kv_dtype=kv_dtype, **quant_opts)
     else:
         from kvtrace.artifact.store import cached_artifact
 
         # load=True: a cached entry that fails its integrity check is rebuilt, as for generate
         path = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, load=True,
-                               device=device.type, quant=quant, **quant_opts).path
+                               device=device.type, quant=quant, kv_dtype=kv_dtype, **quant_opts).path
     if not load_session:
         def unloaded(*_: Any) -> Any:
             raise RuntimeError("this artifact is measured in another process")
@@ -377,29 +379,40 @@ def sweep_positions(max_seq_len: int, n: int = 16) -> tuple[int, ...]:
     return (*pos, last) if last >= 32 else tuple(pos)
 
 
-def bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
-    """What one decode step must read at context ``ctx``: every weight once plus the live K/V."""
-    return _bytes_per_token(model, ctx)
+def bytes_per_token(model: torch.nn.Module, ctx: int, kv_dtype: str = "auto") -> int:
+    """What one decode step must read at context ``ctx``: every weight once plus the live K/V (stored as
+    ``kv_dtype`` says)."""
+    return _bytes_per_token(model, ctx, kv_dtype)
 
 
-def _bytes_per_token(model: torch.nn.Module, ctx: int) -> int:
+def _bytes_per_token(model: torch.nn.Module, ctx: int, kv_dtype: str = "auto") -> int:
+    return _stored_bytes(model.parameters()) + _kv_bytes(model, ctx, kv_dtype)  # weights + live K/V
+
+
+def _stored_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of ``tensors`` as stored, each storage counted once (tied weights share one)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _kv_bytes(model: torch.nn.Module, ctx: int, kv_dtype: str) -> int:
+    """The live K and V of ``ctx`` positions in every layer: [H_kv, ctx, D] each in the model's dtype, or for an
+    int8 cache one byte per value plus a float16 scale per token and head ([H_kv, ctx, 1])."""
     from kvtrace.cache.hf import kv_geometry
 
-    seen, total = set(), 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
     n_layers, n_kv, head_dim = kv_geometry(model.config)
-    elt = next(model.parameters()).element_size()
-    return total + 2 * n_layers * n_kv * head_dim * ctx * elt  # weights + live K/V
+    per_head_token = head_dim + 2 if kv_dtype == "int8" else head_dim * next(model.parameters()).element_size()
+    return 2 * n_layers * n_kv * ctx * per_head_token
 
 
 def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_seq_len: int, ctx: int,
-                           group_size: int | None = None, head: bool = True) -> int:
+                           group_size: int | None = None, head: bool = True, kv_dtype: str = "auto") -> int:
     """``_bytes_per_token`` of the model with ``quant``'s weights: every weight of its quantized decoder once, as
     stored (int8 / packed int4 / GGUF blocks and their scales; norms and unquantized tensors in their dtype)."""
-    from kvtrace.cache.hf import kv_geometry
     from kvtrace.models import quant as q
     from kvtrace.models.registry import make_decoder
     from kvtrace.spec.quant import parse_quant
@@ -414,14 +427,7 @@ def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_
     q.quantize_decoder(decoder, parse_quant(quant, group_size, head), gguf=blocks)
     kinds = (q.Int8Linear, q.Int4Linear, q.GGUFLinear, q.Int8Embedding, q.GGUFEmbedding)
     tensors = [*decoder.parameters(), *(b for m in decoder.modules() if isinstance(m, kinds) for b in m.buffers())]
-    seen, total = set(), 0
-    for t in tensors:
-        if t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
-            total += t.numel() * t.element_size()
-    n_layers, n_kv, head_dim = kv_geometry(model.config)
-    elt = next(model.parameters()).element_size()
-    return total + 2 * n_layers * n_kv * head_dim * ctx * elt
+    return _stored_bytes(tensors) + _kv_bytes(model, ctx, kv_dtype)
 
 
 @contextlib.contextmanager
@@ -441,7 +447,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
               max_seq_len: int = 1024, threads: int | None = None, sweep: bool = False,
               fresh_process: bool = True, device: str | torch.device = "cpu", cuda_graphs: bool = False,
               quants: tuple[str, ...] = ("none",), quant_group_size: int | None = None, quant_head: bool = True,
-              progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
+              kv_dtypes: tuple[str, ...] = ("auto",), progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
     """Run every (dtype, prompt length, backend, quantization) and return a JSON-able dict with a ``results``
     list.
 
@@ -450,8 +456,9 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     ``cuda_graphs``: each artifact backend is measured again with decode replayed from CUDA graphs, from the
     same artifact (rows ``<backend>+graphs``). ``quants``: weight quantizations (``export``'s ``quant``; "none"
     for none) of the artifact backends, one row each, with ``quant_group_size`` / ``quant_head`` as ``export``
-    takes them; HF and jit rows run unquantized only. Each row's bandwidth
-    bound counts the bytes its weights take as stored.
+    takes them; ``kv_dtypes``: KV cache storages (``export``'s ``kv_dtype``: "auto", "int8") of the artifact
+    backends, one row each for every quantization; HF and jit rows run unquantized, with the model's cache,
+    only. Each row's bandwidth bound counts the bytes its weights and live K/V take as stored.
     """
     from kvtrace.artifact.export import DTYPES
     from kvtrace.sources.resolve import DEFAULT_MODEL
@@ -466,6 +473,9 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     bad_q = sorted(set(quants) - {"none", *SCHEMES})
     if bad_q:
         raise UsageError(f"unknown quantizations {bad_q}; choose from {['none', *SCHEMES]}")
+    bad_kv = sorted(set(kv_dtypes) - {"auto", "int8"})
+    if bad_kv:
+        raise UsageError(f"unknown KV cache storages {bad_kv}; choose from ['auto', 'int8']")
 
     known = (*IN_PROCESS, *_artifact_backends())
     bad = sorted(set(backends) - set(known))
@@ -497,10 +507,11 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     raise UsageError(f"prompt {plen} + new tokens {new_tokens} exceed --max-seq-len {max_seq_len}")
                 ids = _random_ids(m.config.vocab_size, plen, seed=0)
                 ref_tokens: list[int] | None = None
-                per_quant: dict[str, int] = {}
-                runs_of = [(b, qn) for b in backends
-                           for qn in (quants if b in _artifact_backends() else ("none",))]
-                for b, qn in runs_of:
+                per_quant: dict[tuple[str, str], int] = {}
+                runs_of = [(b, qn, kv) for b in backends
+                           for qn in (quants if b in _artifact_backends() else ("none",))
+                           for kv in (kv_dtypes if b in _artifact_backends() else ("auto",))]
+                for b, qn, kv in runs_of:
                     gc.collect()
                     _reset_peak_rss()
                     s = None
@@ -508,20 +519,23 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                     graph_rows = (False, True) if cuda_graphs and b in _artifact_backends() else (False,)
                     positions = sweep_positions(max_seq_len) if sweep else ()
                     try:
-                        label = f"{b} {dtype}{'' if qn == 'none' else ' ' + qn} prompt {plen}"
+                        label = (f"{b} {dtype}{'' if qn == 'none' else ' ' + qn}{'' if kv == 'auto' else ' kv ' + kv}"
+                                 f" prompt {plen}")
                         with progress(f"{label}: build"):
                             t0 = time.perf_counter()
                             s = _make(b, m, model_source if model is None else None, max_seq_len, dtype,
-                                      load_session=not fresh, device=dev, quant=qn, quant_opts=quant_opts)
+                                      load_session=not fresh, device=dev, quant=qn, quant_opts=quant_opts,
+                                      kv_dtype=kv)
                             build_s = time.perf_counter() - t0
                     except Exception as e:  # one backend failing must not hide the others' numbers
                         for graphs in graph_rows:
                             results.append(BenchResult(b + ("+graphs" if graphs else ""), dtype, plen, new_tokens,
-                                                       quant=qn, load_s=round(load_s, 2), error=f"{type(e).__name__}: {e}"[:300]))
+                                                       quant=qn, kv_dtype=kv, load_s=round(load_s, 2),
+                                                       error=f"{type(e).__name__}: {e}"[:300]))
                         continue
                     for graphs in graph_rows:
                         r = BenchResult(b + ("+graphs" if graphs else ""), dtype, plen, new_tokens, quant=qn,
-                                        load_s=round(load_s, 2))
+                                        kv_dtype=kv, load_s=round(load_s, 2))
                         where = "a fresh process" if fresh else "this process"
                         try:
                             with progress(f"{label}{' +graphs' if graphs else ''}: {runs} runs x {new_tokens} "
@@ -532,7 +546,8 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                                     r.measured_in = "fresh process"
                                 else:
                                     step = s if not graphs else _make(b, m, None, max_seq_len, dtype, device=dev,
-                                                                      cuda_graphs=True, artifact=s.artifact)
+                                                                      cuda_graphs=True, artifact=s.artifact,
+                                                                      kv_dtype=kv)
                                     got = _measure(step, ids, new_tokens, runs, m.config.vocab_size, positions)
                             r.compile_s = round(build_s + got["warm_s"], 2)
                         except Exception as e:
@@ -541,12 +556,12 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                             continue
                         ctx = plen + new_tokens // 2
                         if qn == "none":
-                            per_tok = _bytes_per_token(m, ctx)
+                            per_tok = _bytes_per_token(m, ctx, kv)
                         else:
-                            if qn not in per_quant:
-                                per_quant[qn] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx,
-                                                                       quant_group_size, quant_head)
-                            per_tok = per_quant[qn]
+                            if (qn, kv) not in per_quant:
+                                per_quant[qn, kv] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx,
+                                                                           quant_group_size, quant_head, kv)
+                            per_tok = per_quant[qn, kv]
                         _fill(r, got, fresh, s, bw, per_tok)
                         if b == BASELINE:
                             ref_tokens = r.tokens
@@ -605,6 +620,7 @@ def run_cli_bench(args: Any, ui: Any) -> int:
         quants=tuple(q.strip() for q in args.quant.split(",")),
         quant_group_size=args.quant_group_size,
         quant_head=args.quant_head,
+        kv_dtypes=tuple(k.strip() for k in args.kv_dtype.split(",")),
         runs=args.runs,
         max_seq_len=args.max_seq_len,
         threads=args.threads,

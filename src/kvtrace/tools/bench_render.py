@@ -10,16 +10,16 @@ from kvtrace._errors import UsageError
 __all__ = ["COLUMNS", "plot", "render", "render_markdown"]
 
 
-COLUMNS = ("backend", "dtype", "quant", "prompt", "compile s", "prefill ms", "decode tok/s", "x hf-eager", "of bound",
+COLUMNS = ("backend", "dtype", "quant", "kv", "prompt", "compile s", "prefill ms", "decode tok/s", "x hf-eager", "of bound",
            "MB/token", "artifact MiB", "peak RSS MiB", "recompiles", "tokens = eager", "measured in")
-_HEAD = 4  # backend, dtype, quant, prompt: shown for an error row too
+_HEAD = 5  # backend, dtype, quant, kv, prompt: shown for an error row too
 
 
 def _rows(data: dict[str, Any]) -> list[tuple[list[str], str]]:
-    """(cells, error) per result, cells in ``COLUMNS`` order (blank but the first three for an error)."""
+    """(cells, error) per result, cells in ``COLUMNS`` order (blank but the first ``_HEAD`` for an error)."""
     out = []
     for r in data["results"]:
-        head = [r["backend"], r["dtype"], r.get("quant", "none"), str(r["prompt_len"])]
+        head = [r["backend"], r["dtype"], r.get("quant", "none"), r.get("kv_dtype", "auto"), str(r["prompt_len"])]
         if r["error"]:
             out.append((head + [""] * (len(COLUMNS) - _HEAD), r["error"]))
             continue
@@ -81,7 +81,8 @@ def plot(data: dict[str, Any], path: str | Path) -> None:
         if r["position_sweep"]:
             xs, ys = zip(*r["position_sweep"], strict=True)
             quant = '' if r.get('quant', 'none') == 'none' else f" {r['quant']}"
-            ax.plot(xs, ys, marker="o", label=f"{r['backend']} {r['dtype']}{quant}")
+            kv = '' if r.get('kv_dtype', 'auto') == 'auto' else f" kv {r['kv_dtype']}"
+            ax.plot(xs, ys, marker="o", label=f"{r['backend']} {r['dtype']}{quant}{kv}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context position")
     ax.set_ylabel("decode tokens/s")
