@@ -219,11 +219,15 @@ def test_forward_slots_rows_match_forward_live_eagerly():
 
 
 @pytest.mark.compile
-def test_aoti_slot_artifact_matches_solo_runs(tmp_path):
+@pytest.mark.parametrize("backend", ["aoti", "aoti-packed"])
+def test_aoti_slot_artifact_matches_solo_runs(tmp_path, backend):
+    """A compiled slots artifact (aoti: two programs; aoti-packed: one frozen program, R and T symbolic, serving
+    the one-slot prefill and the every-slot decode) answers every request as a solo run does."""
     m = tiny_model("llama")
     kvtrace.export(m, tmp_path / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last")  # exported: the reference
-    kvtrace.export(m, tmp_path / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, backend="aoti", prefill_logits="last")
+    kvtrace.export(m, tmp_path / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, backend=backend, prefill_logits="last")
     solo, art = kvtrace.load(tmp_path / "solo.kvt"), kvtrace.load(tmp_path / "slots.kvt")
+    assert art.manifest.backend == backend and art.manifest.cache_spec.batch_size == SLOTS
     prompts = _prompts((5, 11, 3, 20, 7, 1), seed=2)
     maxes = [12, 6, 20, 9, 15, 8]
     engine = art.slot_engine()

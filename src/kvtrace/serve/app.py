@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -253,12 +255,17 @@ def app_for(artifact: Any, *, max_seq_len: int | None = None, api_key: str | Non
 
 def serve(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning",
           on_ready: Callable[[str], None] | None = None) -> None:
-    """Run ``app`` with uvicorn until interrupted (Ctrl-C); ``on_ready(url)`` once it listens."""
+    """Run ``app`` with uvicorn until interrupted (Ctrl-C or SIGTERM); ``on_ready(url)`` once it listens.
+
+    The model loop runs on this (the calling) thread — the one that loaded the programs, see ``serve.worker`` —
+    and uvicorn's event loop on a thread of its own; Ctrl-C / SIGTERM stop the model loop (every request in
+    flight is answered "shutting down"), then uvicorn shuts down."""
     try:
         import uvicorn
     except ImportError as e:
         raise UsageError("kvtrace serve needs uvicorn and starlette: pip install 'kvtrace[serve]'") from e
 
+    worker: Worker = app.state.worker
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False, lifespan="on")
     server = uvicorn.Server(config)
     if on_ready is not None:
@@ -270,9 +277,34 @@ def serve(app: Any, *, host: str = "127.0.0.1", port: int = 8000, log_level: str
                 on_ready(f"http://{host}:{port}")
 
         server.startup = announce  # type: ignore[method-assign]
+    failed: list[BaseException] = []
+
+    def http() -> None:
+        try:
+            server.run()
+        except BaseException as e:  # handed to the calling thread, raised there
+            failed.append(e)
+        finally:
+            worker.stop()  # the server is gone (shut down, or it never started): end the model loop
+
+    worker.hold()  # the lifespan must not start a model thread: this thread is it
+    thread = threading.Thread(target=http, name="kvtrace-http", daemon=True)
+    main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
+    on_term = signal.signal(signal.SIGTERM, signal.default_int_handler) if main else None  # as Ctrl-C does
     try:
-        server.run()
-    except OSError as e:
+        thread.start()
+        worker.run()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, on_term)
+        server.should_exit = True
+        thread.join()
+    if failed and isinstance(failed[0], OSError):
+        e = failed[0]
         raise UsageError(f"could not listen on {host}:{port} ({e.strerror or e}); pick another --port") from e
+    if failed and not isinstance(failed[0], SystemExit):
+        raise failed[0]
     if not server.started:
         raise UsageError(f"could not start the server on {host}:{port} (is the port in use?); pick another --port")

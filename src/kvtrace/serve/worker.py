@@ -4,6 +4,16 @@
           -> one decode step for every active slot -> hand each event to its job -> repeat;
           with nothing active, sleep until a job arrives
 
+Which thread: the one that loaded the programs, when it can (``kvtrace serve`` runs this loop on its main
+thread and uvicorn on another: ``serve.app.serve``). The compiled programs' kernels are OpenMP parallel
+regions, and libgomp keeps one thread pool per thread that starts them: a second thread running them
+(the artifact was loaded and probed on the main thread) makes a second pool, more OpenMP threads than CPUs,
+and libgomp then puts idle workers to sleep at once instead of spinning — every kernel launch waits for a
+wake-up. Measured on SmolLM2 (aoti-packed, 2 threads, 2 cores): a decode step of one slot 31.8 ms on the
+loading thread, 37.7 ms on another (median of 4 runs each, interleaved); 31.8 vs 42.1 ms with
+OMP_WAIT_POLICY=PASSIVE everywhere, which is the same sleep forced. ``start`` (a thread of its own) stays for
+embedding the app elsewhere (tests, another ASGI server).
+
 HTTP handlers never touch the engine: they ``submit`` a ``Job`` (refused with ``QueueFull`` when the
 bounded queue is full), then read its events from ``Job.events``, an asyncio queue the model thread fills
 through ``loop.call_soon_threadsafe``; ``Job.cancel()`` (a client that disconnected) asks the model thread
@@ -76,6 +86,7 @@ class Worker:
         self._cv = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._caller_runs = False  # ``hold``: the caller runs the loop (``run``), ``start`` starts no thread
         self.steps = 0
 
     # --- seen from the HTTP side (any thread) -------------------------------------------------------
@@ -99,8 +110,15 @@ class Worker:
             self._cv.notify()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="kvtrace-model", daemon=True)
+        """Run the loop in a thread of its own, unless ``hold`` said the caller runs it."""
+        if self._caller_runs:
+            return
+        self._thread = threading.Thread(target=self.run, name="kvtrace-model", daemon=True)
         self._thread.start()
+
+    def hold(self) -> None:
+        """The calling thread will run the loop (``run``): ``start`` (the app's lifespan) starts no thread."""
+        self._caller_runs = True
 
     def stop(self, timeout: float = 30.0) -> None:
         with self._cv:
@@ -115,22 +133,28 @@ class Worker:
             self._cv.notify()
 
     # --- the model thread -------------------------------------------------------------------------------
-    def _loop(self) -> None:
+    def run(self) -> None:
+        """The serving loop, in the calling thread, until ``stop`` (or an exception, e.g. KeyboardInterrupt);
+        either way every running and waiting job is then answered "shutting down"."""
         import torch
 
-        with torch.inference_mode():
-            while True:
-                with self._cv:
-                    while not self._stop and not self._waiting and not self._jobs:
-                        self._cv.wait()
-                    if self._stop:
-                        break
-                    dropped = [j for j in self._waiting if j.cancelled]
+        try:
+            with torch.inference_mode():
+                while True:
+                    with self._cv:
+                        while not self._stop and not self._waiting and not self._jobs:
+                            self._cv.wait()
+                        if self._stop:
+                            break
+                        dropped = [j for j in self._waiting if j.cancelled]
+                        for j in dropped:
+                            self._waiting.remove(j)
                     for j in dropped:
-                        self._waiting.remove(j)
-                for j in dropped:
-                    j._put(Done(FinishReason.CANCELLED, len(j.request.prompt), 0))
-                self._turn()
+                        j._put(Done(FinishReason.CANCELLED, len(j.request.prompt), 0))
+                    self._turn()
+        finally:
+            with self._cv:
+                self._stop = True  # submit refuses from now on
             self._shutdown()
 
     def _turn(self) -> None:
