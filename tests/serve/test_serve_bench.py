@@ -22,6 +22,13 @@ def test_serve_bench_measures_levels_and_checks_answers(tmp_path, monkeypatch, c
     assert [lv["tokens"] for lv in data["levels"]] == [8, 16], "ignore_eos: exactly new_tokens per request"
     assert all(lv["mismatches"] == 0 and lv["aggregate_tok_s"] > 0 for lv in data["levels"])
     assert data["kvtrace_run_decode_tok_s"] > 0 and data["checked_against_solo"]
+    one, two = data["levels"]
+    # the server's own decode steps (its /metrics): one request alone decodes one row a step (its first token came
+    # from the prefill: 7 decode rows); two concurrent requests share steps
+    assert one["mean_rows"] == 1.0 and 1.0 < two["mean_rows"] <= 2.0
+    assert one["decode_step_tok_s"] > 0 and two["decode_step_vs_one_client"] > 0
+    assert all(0 < lv["prefill_share"] < 1 for lv in data["levels"])
     table = capsys.readouterr().out
-    assert "| clients | requests |" in table and "`kvtrace run` decode" in table
+    assert "| clients | requests |" in table and "server decode tok/s (rows/step)" in table
+    assert "`kvtrace run` decode" in table
 

@@ -24,6 +24,7 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
     import json
     from pathlib import Path
 
+    from kvtrace.cli.serve import SERVE_BACKEND
     from kvtrace.serve.bench import render_markdown, run_serve_bench
 
     ignored = [f for f, on in (("--quant", args.quant != "none"), ("--kv-dtype", args.kv_dtype != "auto"),
@@ -34,7 +35,7 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
                          "is not offered with it: drop it")
     clients = tuple(int(x) for x in str(args.clients).split(","))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    backend = backends[0] if len(backends) == 1 else "aoti"  # the default list names several: serve aoti
+    backend = backends[0] if len(backends) == 1 else SERVE_BACKEND  # the default list names several: serve's own
     with output_file(args.json, "--json"):
         data = run_serve_bench(args.model, clients=clients, requests_per_client=args.requests, new_tokens=args.new_tokens,
                                max_seq_len=args.max_seq_len, backend=backend, baseline_runs=args.runs,
@@ -62,7 +63,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--serve", action="store_true",
                    help="measure kvtrace serve instead: aggregate tokens/s, time to first token and inter-token "
                         "latency for --clients concurrent clients (a server process on the model's slots artifact; "
-                        "--backends names its one backend, default aoti), answers checked against solo runs")
+                        "--backends names its one backend, default kvtrace serve's: aoti-packed), answers checked against solo runs")
     p.add_argument("--clients", type=int_list, default="1,2,4,8", help="with --serve: concurrency levels")
     p.add_argument("--requests", type=POSITIVE, default=2, help="with --serve: requests per client per level")
     p.add_argument("--no-check", action="store_true",

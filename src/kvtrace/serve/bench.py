@@ -5,11 +5,15 @@ model's slots artifact (``--slots`` = the most clients); the clients are asyncio
 Each level runs C clients, each sending R requests one after another (closed loop); every request is a
 streamed chat completion of exactly N new tokens (temperature 0, ``ignore_eos``), prompts differing by client.
 
-Per level: aggregate tokens/s (the level's completion tokens / its wall time, prefills included), each
+Per level: aggregate tokens/s (the level's completion tokens / its wall time, prefills included); the
+server's decode throughput (the tokens its decode steps produced / the time spent in them, from its /metrics:
+what batching the decode steps buys, without the prefills that pause them) and the share of the wall time
+spent in prefills; each
 request's decode tokens/s (tokens after the first / first-to-last token time), p50/p95 time to first token
 and inter-token latency, and mismatches: answers that differ from a solo Session run of the same prompt
 (the batch-1 artifact, in this process, after the server has stopped). The baseline is ``kvtrace run`` on the
-batch-1 artifact: its decode tokens/s, in fresh processes, before the server starts.
+batch-1 artifact: its decode tokens/s, in fresh processes, before the server starts and again after it has
+stopped (the median of both: these machines drift by 10 % within minutes, and the levels run in between).
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ class LevelResult:
     ttft_ms_p95: float = 0.0
     itl_ms_p50: float = 0.0
     itl_ms_p95: float = 0.0
+    decode_step_tok_s: float = 0.0  # the server's decode steps: rows decoded / seconds in decode steps
+    decode_step_vs_one_client: float = 0.0
+    mean_rows: float = 0.0  # active slots per decode step
+    prefill_share: float = 0.0  # seconds in prefills / wall seconds
     mismatches: int = 0
     texts: dict[str, str] = field(default_factory=dict, repr=False)  # prompt -> answer (the first one seen)
     all_texts: list[tuple[str, str]] = field(default_factory=list, repr=False)
@@ -126,6 +134,33 @@ async def _level(url: str, clients: int, per_client: int, n: int, prompts: Seque
         texts=texts, all_texts=[(r["prompt"], r["text"]) for r in rs])
 
 
+_SUMS = ("decode_step_seconds_sum", "decode_batch_rows_sum", "decode_batch_rows_count", "prefill_seconds_sum")
+
+
+def _server_sums(url: str) -> dict[str, float]:
+    """The server's cumulative decode-step and prefill totals (Prometheus text of GET /metrics)."""
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
+        name, _, value = line.partition(" ")
+        if name.removeprefix("kvtrace_") in _SUMS:
+            out[name.removeprefix("kvtrace_")] = float(value)
+    missing = sorted(set(_SUMS) - set(out))
+    if missing:
+        raise UsageError(f"the server's /metrics lacks {missing}")
+    return out
+
+
+def _add_server_side(lv: LevelResult, before: dict[str, float], after: dict[str, float]) -> None:
+    d = {k: after[k] - before[k] for k in _SUMS}
+    if d["decode_step_seconds_sum"] > 0:
+        lv.decode_step_tok_s = round(d["decode_batch_rows_sum"] / d["decode_step_seconds_sum"], 2)
+    if d["decode_batch_rows_count"] > 0:
+        lv.mean_rows = round(d["decode_batch_rows_sum"] / d["decode_batch_rows_count"], 2)
+    lv.prefill_share = round(d["prefill_seconds_sum"] / lv.seconds, 3) if lv.seconds else 0.0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -162,7 +197,7 @@ def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[st
 
 
 def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2, 4, 8), requests_per_client: int = 2,
-                    new_tokens: int = 128, max_seq_len: int = 1024, backend: str = "aoti", baseline_runs: int = 3,
+                    new_tokens: int = 128, max_seq_len: int = 1024, backend: str = "aoti-packed", baseline_runs: int = 3,
                     check: bool = True, threads: int | None = None,
                     progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Measure ``kvtrace serve`` (see the module docstring); returns a JSON-able dict with ``levels``.
@@ -195,16 +230,23 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
             asyncio.run(_level(url, 1, 1, 8, PROMPTS))  # warm-up
         for c in clients:
             with progress(f"{c} client(s) x {requests_per_client} request(s) of {new_tokens} tokens"):
+                before = _server_sums(url)
                 levels.append(asyncio.run(_level(url, c, requests_per_client, new_tokens, PROMPTS)))
+                _add_server_side(levels[-1], before, _server_sums(url))
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+    with progress(f"baseline again: kvtrace run x{baseline_runs} (fresh processes)"):
+        base += _run_baseline(plain.path, PROMPTS[0], max_len=min(max_seq_len, 64 + new_tokens), runs=baseline_runs,
+                              env=env)
     one = levels[0].aggregate_tok_s if levels else 0.0
+    one_step = levels[0].decode_step_tok_s if levels else 0.0
     for lv in levels:
         lv.vs_one_client = round(lv.aggregate_tok_s / one, 2) if one else 0.0
+        lv.decode_step_vs_one_client = round(lv.decode_step_tok_s / one_step, 2) if one_step else 0.0
     refs: dict[str, str] = {}
     if check:
         from kvtrace.artifact.archive import load
@@ -233,12 +275,15 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
 
 
 def render_markdown(data: dict[str, Any]) -> str:
-    head = ("| clients | requests | tokens | wall s | aggregate tok/s | x 1 client | decode tok/s per request (p50) "
+    head = ("| clients | requests | tokens | wall s | aggregate tok/s | x 1 client | server decode tok/s (rows/step) "
+            "| x 1 client | prefill share | decode tok/s per request (p50) "
             "| TTFT p50 / p95 ms | inter-token p50 / p95 ms | mismatches |")
-    rows = [head, "|" + "---|" * 10]
+    rows = [head, "|" + "---|" * 13]
     for lv in data["levels"]:
         rows.append(f"| {lv['clients']} | {lv['requests']} | {lv['tokens']} | {lv['seconds']:.1f} | "
-                    f"{lv['aggregate_tok_s']:.1f} | {lv['vs_one_client']:.2f} | {lv['decode_tok_s_p50']:.1f} | "
+                    f"{lv['aggregate_tok_s']:.1f} | {lv['vs_one_client']:.2f} | "
+                    f"{lv['decode_step_tok_s']:.1f} ({lv['mean_rows']:.1f}) | {lv['decode_step_vs_one_client']:.2f} | "
+                    f"{lv['prefill_share']:.2f} | {lv['decode_tok_s_p50']:.1f} | "
                     f"{lv['ttft_ms_p50']:.0f} / {lv['ttft_ms_p95']:.0f} | {lv['itl_ms_p50']:.1f} / "
                     f"{lv['itl_ms_p95']:.1f} | {lv['mismatches'] if data['checked_against_solo'] else '-'} |")
     rows.append("")
