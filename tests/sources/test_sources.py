@@ -534,3 +534,14 @@ def test_default_model_loads_and_caches():
     )
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert text.startswith("<|im_start|>system\n")
+
+
+def test_a_remembered_gguf_check_sees_an_in_place_edit_of_its_header(tmp_path):
+    """check_gguf reuses its walk for an unchanged file (a warm start resolves the source twice); a header edit
+    that keeps the file's size (and may keep its timestamps within one clock tick) is still seen."""
+    path = write_gguf(tmp_path / "m.gguf")
+    first = _gguf.check_gguf(path)
+    assert _gguf.check_gguf(path) is first  # remembered
+    _patch_tensor(path, "blk.1.ffn_down.weight", offset=4)  # same size, header bytes changed
+    with pytest.raises(SourceError, match=r"not a multiple of the alignment 32"):
+        _gguf.check_gguf(path)
