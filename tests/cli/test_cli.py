@@ -236,8 +236,8 @@ def test_bench_quick_mode(hf_dir, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert code == 0, printed
     # stdout is not a terminal here: a full-width Markdown table, no header squeezed into 80 columns ("bac…")
-    assert "| backend | dtype | quant | prompt | compile s | prefill ms | decode tok/s |" in printed and "…" not in printed
-    assert "| exported | float32 | none | 4 |" in printed and "fresh process |" in printed
+    assert "| backend | dtype | quant | kv | prompt | compile s | prefill ms | decode tok/s |" in printed and "…" not in printed
+    assert "| exported | float32 | none | auto | 4 |" in printed and "fresh process |" in printed
     data = json.loads(out.read_text())
     assert data["bandwidth_gb_s"] > 0
     rows = {r["backend"]: r for r in data["results"]}
