@@ -66,20 +66,22 @@ def int_list(text: str) -> str:
 POSITIVE, SEED = int_in(1), int_in(0, 2**63 - 1)
 
 
-KV_DTYPES = ("auto", "int8")
 KV_DTYPE_HELP = ("KV cache storage: auto (default) = the model's dtype; int8 = int8 K/V with a float16 scale per token "
                  "and KV head (~0.28x the bytes of a float32 cache)")
 
 
 def kv_dtype_arg(p: argparse.ArgumentParser, many: bool = False) -> None:
     """``--kv-dtype {auto,int8}`` (or with ``many`` a comma list, one bench row each): the KV cache's storage
-    (auto: the model's dtype)."""
+    (auto: the model's dtype; the others: what a CacheSpec can declare, ``spec.cache.KV_DTYPES``)."""
+    from kvtrace.spec.cache import KV_DTYPES as QUANTIZED
+
+    choices = ("auto", *QUANTIZED)
     if many:
-        p.add_argument("--kv-dtype", type=choice_list(KV_DTYPES), default="auto", metavar="LIST",
-                       help=f"comma list of {', '.join(KV_DTYPES)}: one row per choice (artifact backends). "
+        p.add_argument("--kv-dtype", type=choice_list(choices), default="auto", metavar="LIST",
+                       help=f"comma list of {', '.join(choices)}: one row per choice (artifact backends). "
                             + KV_DTYPE_HELP)
     else:
-        p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto", help=KV_DTYPE_HELP)
+        p.add_argument("--kv-dtype", choices=choices, default="auto", help=KV_DTYPE_HELP)
 
 
 QUANT_HELP = ("weights: none (default) = the model's dtype; int8 = int8 per output channel; int4 = 4-bit groups "

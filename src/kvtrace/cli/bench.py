@@ -24,7 +24,7 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
     import json
     from pathlib import Path
 
-    from kvtrace.cli.serve import SERVE_BACKEND
+    from kvtrace.serve import SERVE_BACKEND
     from kvtrace.serve.bench import render_markdown, run_serve_bench
 
     ignored = [f for f, on in (("--quant", args.quant != "none"), ("--kv-dtype", args.kv_dtype != "auto"),

@@ -11,12 +11,9 @@ from typing import Any
 from kvtrace._errors import UsageError
 from kvtrace.cli.args import POSITIVE, int_in
 from kvtrace.cli.ui import UI
+from kvtrace.serve import SERVE_BACKEND
 
 DEFAULT_PARALLEL = 4  # conversation slots when serving a model source
-# A model source is served from aoti-packed: SmolLM2 fp32 on AMD, 2 threads (kvtrace bench --serve, one run):
-# one client 24.3 tokens/s and eight 99.9 aggregate, vs aoti's MKL matmuls at 10 tokens/s for one (a step of
-# two rows cost as much as two steps of one there); on Intel its frozen matmuls decode faster than aoti too.
-SERVE_BACKEND = "aoti-packed"
 
 
 def load_served(args: argparse.Namespace, ui: UI) -> Any:

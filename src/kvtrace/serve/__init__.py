@@ -9,3 +9,12 @@ and uvicorn are the optional extra ``kvtrace[serve]``, imported only here.
 
 May import: ``spec`` … ``tools``.
 """
+
+__all__ = ["SERVE_BACKEND"]
+
+# The backend a model source is served from (``kvtrace serve SOURCE``, ``kvtrace bench --serve``): aoti-packed,
+# one frozen program whose CPU matmuls stay cheap from 1 to N rows. SmolLM2 fp32 on AMD, 2 threads (kvtrace
+# bench --serve, one run): one client 24.3 tokens/s and eight 99.9 aggregate, vs aoti's MKL matmuls at 10 tokens/s
+# for one (a step of two rows cost as much as two steps of one there); on Intel its frozen matmuls decode faster
+# than aoti too.
+SERVE_BACKEND = "aoti-packed"

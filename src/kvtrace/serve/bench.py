@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace._errors import UsageError
+from kvtrace.serve import SERVE_BACKEND
 
 __all__ = ["PROMPTS", "LevelResult", "render_markdown", "run_serve_bench"]
 
@@ -197,7 +198,7 @@ def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[st
 
 
 def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2, 4, 8), requests_per_client: int = 2,
-                    new_tokens: int = 128, max_seq_len: int = 1024, backend: str = "aoti-packed", baseline_runs: int = 3,
+                    new_tokens: int = 128, max_seq_len: int = 1024, backend: str = SERVE_BACKEND, baseline_runs: int = 3,
                     check: bool = True, threads: int | None = None,
                     progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Measure ``kvtrace serve`` (see the module docstring); returns a JSON-able dict with ``levels``.
@@ -215,9 +216,12 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
         served = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, slots=slots if slots > 1 else None,
                                  progress=None)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({} if threads is None else {"OMP_NUM_THREADS": str(threads)})}
-    with progress(f"baseline: kvtrace run x{baseline_runs} (fresh processes)"):
-        base = _run_baseline(plain.path, PROMPTS[0], max_len=min(max_seq_len, 64 + new_tokens), runs=baseline_runs,
+    def baseline() -> list[float]:
+        return _run_baseline(plain.path, PROMPTS[0], max_len=min(max_seq_len, 64 + new_tokens), runs=baseline_runs,
                              env=env)
+
+    with progress(f"baseline: kvtrace run x{baseline_runs} (fresh processes)"):
+        base = baseline()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "serve", str(served.path), "--port", str(port),
@@ -240,8 +244,7 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
         except subprocess.TimeoutExpired:
             proc.kill()
     with progress(f"baseline again: kvtrace run x{baseline_runs} (fresh processes)"):
-        base += _run_baseline(plain.path, PROMPTS[0], max_len=min(max_seq_len, 64 + new_tokens), runs=baseline_runs,
-                              env=env)
+        base += baseline()
     one = levels[0].aggregate_tok_s if levels else 0.0
     one_step = levels[0].decode_step_tok_s if levels else 0.0
     for lv in levels:

@@ -401,11 +401,16 @@ def _stored_bytes(tensors: Iterable[torch.Tensor]) -> int:
 
 def _kv_bytes(model: torch.nn.Module, ctx: int, kv_dtype: str) -> int:
     """The live K and V of ``ctx`` positions in every layer: [H_kv, ctx, D] each in the model's dtype, or for an
-    int8 cache one byte per value plus a float16 scale per token and head ([H_kv, ctx, 1])."""
+    int8 cache one byte per value plus a scale per token and head ([H_kv, ctx, 1] of ``SCALE_DTYPE``), as the
+    CacheSpec declares them."""
     from kvtrace.cache.hf import kv_geometry
+    from kvtrace.spec.cache import SCALE_DTYPE
 
     n_layers, n_kv, head_dim = kv_geometry(model.config)
-    per_head_token = head_dim + 2 if kv_dtype == "int8" else head_dim * next(model.parameters()).element_size()
+    if kv_dtype == "int8":
+        per_head_token = head_dim * torch.int8.itemsize + getattr(torch, SCALE_DTYPE).itemsize
+    else:
+        per_head_token = head_dim * next(model.parameters()).element_size()
     return 2 * n_layers * n_kv * ctx * per_head_token
 
 
@@ -462,6 +467,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     """
     from kvtrace.artifact.export import DTYPES
     from kvtrace.sources.resolve import DEFAULT_MODEL
+    from kvtrace.spec.cache import KV_DTYPES
     from kvtrace.spec.device import check_available, concrete
 
     if model is None and model_source is None:  # the default model, by name: built through the artifact cache
@@ -473,9 +479,9 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     bad_q = sorted(set(quants) - {"none", *SCHEMES})
     if bad_q:
         raise UsageError(f"unknown quantizations {bad_q}; choose from {['none', *SCHEMES]}")
-    bad_kv = sorted(set(kv_dtypes) - {"auto", "int8"})
+    bad_kv = sorted(set(kv_dtypes) - {"auto", *KV_DTYPES})
     if bad_kv:
-        raise UsageError(f"unknown KV cache storages {bad_kv}; choose from ['auto', 'int8']")
+        raise UsageError(f"unknown KV cache storages {bad_kv}; choose from {['auto', *KV_DTYPES]}")
 
     known = (*IN_PROCESS, *_artifact_backends())
     bad = sorted(set(backends) - set(known))
