@@ -69,7 +69,10 @@ def test_gguf_linear_decode_and_prefill_paths_agree_with_the_dequantized_weight(
         expect = (qv.float() - off) * d.float()[..., None] + (0 if mm is None else mm.float()[..., None])
         assert torch.equal(w, expect.reshape(n, k))
         torch.testing.assert_close(lin(x1), F.linear(x1, w), rtol=1e-5, atol=1e-6)  # the one-row (decode) path
-        assert torch.equal(lin(x5), F.linear(x5, w))  # prefill: the dequantized weight itself
+        assert torch.equal(lin(x5), x5 @ w.t())  # prefill: the dequantized weight itself
+        assert lin.q.shape[0] == 1 and lin.q.shape[-1] == 32  # 24 rows padded to one tile of 32 outputs
+        tokens = torch.tensor([[0, 23, 7], [31 % n, 5, 0]])
+        assert torch.equal(q.GGUFEmbedding(lin, torch.float32)(tokens), w[tokens])  # the tied table's rows
 
 
 # --- GGUF blocks --------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@ weights (and, with ``spec.head``, its ``nn.Embedding`` and the head tied to it) 
 - ``Int4Linear``: weight in the CPU int4pack layout ``[N, K/2]`` uint8 and ``scale_zeros [K/g, N, 2]`` bf16 ->
   ``aten._weight_int4pack_mm_for_cpu`` (bf16 activations), ``w = (q - 8) * scale + zero``; 8da4w quantizes
   each activation row to int8 first;
-- ``GGUFLinear``: a GGUF's Q4_0 / Q4_1 / Q8_0 blocks as stored (``q [N, K/32, 32]``, float16 ``d`` and ``m``
-  ``[N, K/32]``), computed in float32. A one-row call (decode) is a fused dequantize-multiply-reduce that
-  Inductor generates from the expression below, reading the blocks once; more rows (prefill) dequantize the
+- ``GGUFLinear``: a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, the file's values rearranged but not re-quantized
+  (4-bit values two per byte, 32 output rows side by side: ``q [N/32, K/32, 16, 32]``, float16 ``d`` and ``m``
+  ``[N/32, K/32, 32]``), computed in float32. A one-row call (decode) is a fused dequantize-multiply-reduce that
+  Inductor generates from ``GGUFLinear._decode``, reading the tiles once; more rows (prefill) dequantize the
   weight (``d * q + m`` in float32, bit for bit what gguf's dequantize gives) and multiply it with ATen;
 - ``Int8Embedding`` / ``GGUFEmbedding``: the embedding rows gathered and dequantized; a tied head shares
   their buffers (stored once).
@@ -144,41 +145,101 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+LANES = 32  # GGUFLinear's output tile: 32 output features side by side, so decode's reduction is vertical
+
+
+def _tile_blocks(fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GGUF blocks by row (q [N, G, 32], d and m [N, G]) -> GGUFLinear's tiles, N padded to a multiple of 32
+    with zero blocks: q4 packed two per byte, q [N/32, G, 16, 32] uint8 (low nibble element 2j, high 2j+1 of
+    block g, for output 32t + lane); q8_0 q [N/32, G, 32, 32] int8; d and m [N/32, G, 32] float16.
+    The same values, rearranged: nothing is re-quantized."""
+    n, g, _ = q.shape
+    pad = -n % LANES
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, g, 32)])
+        d = torch.cat([d, d.new_zeros(pad, g)])
+        m = None if m is None else torch.cat([m, m.new_zeros(pad, g)])
+    t = (n + pad) // LANES
+    if fmt == "q8_0":
+        qt = q.reshape(t, LANES, g, 32).permute(0, 2, 3, 1)  # [T, G, 32, lane]
+    else:
+        pairs = q.reshape(t, LANES, g, 16, 2)  # [T, lane, G, 16, (even, odd)]
+        qt = (pairs[..., 0] | (pairs[..., 1] << 4)).permute(0, 2, 3, 1)  # [T, G, 16, lane]
+
+    def by_tile(v: torch.Tensor) -> torch.Tensor:
+        return v.reshape(t, LANES, g).permute(0, 2, 1).contiguous()  # [T, G, lane]
+
+    return qt.contiguous(), by_tile(d), None if m is None else by_tile(m)
+
+
 class GGUFLinear(nn.Module):
     """y = x @ W.T (+ bias) over a GGUF's blocks, in float32: W = d * q + m (q4_1), d * (q - 8) (q4_0), d * q (q8_0),
-    per block of 32 input features; q [N, K/32, 32] (uint8 0..15, or int8 for q8_0), d and m float16 [N, K/32]."""
+    per block of 32 input features. Built from the blocks by row (q [N, K/32, 32]: uint8 0..15, or int8 for q8_0;
+    d and m float16 [N, K/32]) and stored as ``_tile_blocks`` lays them out: 4-bit values two per byte (what the
+    file stores, ~0.6 bytes a weight with d and m), 32 output rows side by side.
+
+    Decode (one row) is one fused multiply-reduce over the blocks that Inductor generates from ``_decode``: it
+    reads the tiles once, with 32 outputs side by side in a vector. Prefill (more rows) dequantizes the weight
+    (``weight_t``, bit for bit what gguf's dequantize gives) and multiplies with ATen."""
 
     def __init__(self, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None):
         super().__init__()
         self.fmt = fmt
-        self.register_buffer("q", q)
-        self.register_buffer("d", d)
-        self.register_buffer("m", m)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.out_features, self.in_features = q.shape[0], q.shape[1] * q.shape[2]
+        qt, dt, mt = _tile_blocks(fmt, q, d, m)
+        self.register_buffer("q", qt)  # [T, G, 16, lane] uint8 (q4) or [T, G, 32, lane] int8 (q8_0)
+        self.register_buffer("d", dt)  # [T, G, lane] float16
+        self.register_buffer("m", mt)  # [T, G, lane] float16 (q4_1) or None
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def weight_t(self) -> torch.Tensor:
+        """W.T float32 [K, N'] (N' = N padded to whole tiles), dequantized as gguf does it (d * q exact: a 4-bit or
+        8-bit q times a float16 d fits float32's mantissa; then + m, rounded once). Built in this orientation
+        because the tiles are read 32 outputs at a time: [N, K] would transpose each tile (~4x slower, measured)."""
+        q = self.q.permute(1, 2, 0, 3)  # [G, 16 or 32, T, lane]
+        d = self.d.permute(1, 0, 2).float()[:, None]  # [G, 1, T, lane]
+        if self.fmt == "q8_0":
+            return (q.float() * d).reshape(self.in_features, -1)
+        lo = (q & 15).float()  # input features 2j of each block
+        hi16 = q.float() - lo  # 16 * the high nibbles (2j + 1), without a uint8 shift (slow in Inductor)
+        if self.fmt == "q4_0":
+            lo, hi16 = lo - 8, hi16 - 128
+        w = torch.stack([lo * d, hi16 * (d * 0.0625)], dim=2)  # [G, 16, 2, T, lane]
+        if self.m is not None:
+            w = w + self.m.permute(1, 0, 2).float()[:, None, None]
+        return w.reshape(self.in_features, -1)
 
     def dequantized(self) -> torch.Tensor:
-        """W float32 [N, K], as gguf's dequantize computes it (d * q exact, then + m rounded once)."""
-        q, d = self.q.float(), self.d.float()[..., None]  # [N, G, 32], [N, G, 1]
-        if self.fmt == "q4_0":
-            q = q - 8
-        w = q * d if self.m is None else q * d + self.m.float()[..., None]
-        return w.reshape(self.out_features, self.in_features)
+        """W float32 [N, K], bit for bit what gguf's dequantize gives."""
+        return self.weight_t()[:, : self.out_features].t()
+
+    def _decode(self, row: torch.Tensor) -> torch.Tensor:
+        """row [K] float32 -> y [N]: per block, d * (x . q) (+ m * sum(x)), q read once as stored, with the 32
+        outputs of a tile side by side in a vector (a reduction per 32-weight block was ~1.7x slower, and
+        dequantizing each weight before the multiply ~1.5x, measured)."""
+        blocks = row.view(-1, 32)  # [G, 32]
+        if self.fmt == "q8_0":
+            dot = (blocks[None, :, :, None] * self.q.float()).sum(2)  # [T, G, lane]: x . q per block
+        else:
+            pairs = row.view(1, -1, 16, 2, 1)  # [1, G, 16, (even, odd), 1]
+            lo = (self.q & 15).float()  # [T, G, 16, lane]
+            hi16 = self.q.float() - lo  # 16 * the high nibbles
+            dot = (pairs[:, :, :, 0] * lo + (pairs[:, :, :, 1] * 0.0625) * hi16).sum(2)  # [T, G, lane]
+            if self.fmt == "q4_0":
+                dot = dot - 8 * blocks.sum(-1)[None, :, None]
+        y = dot * self.d.float()
+        if self.m is not None:
+            y = y + blocks.sum(-1)[None, :, None] * self.m.float()
+        return y.sum(1).reshape(-1)[: self.out_features]  # [N]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x).float()  # [M, K]
         m_rows = rows.shape[0]
-        if isinstance(m_rows, int) and m_rows == 1:  # decode (a trace-time size): one pass over the blocks
-            xg = rows.view(1, 1, -1, 32)  # [1, 1, G, 32]
-            dot = (xg * self.q.float()).sum(-1)  # [1, N, G]: x . q per block
-            if self.fmt == "q4_0":
-                dot = dot - 8 * xg.sum(-1)
-            y = dot * self.d.float()
-            if self.m is not None:
-                y = y + xg.sum(-1) * self.m.float()
-            y = y.sum(-1)  # [1, N]
+        if isinstance(m_rows, int) and m_rows == 1:  # decode (a trace-time size): one pass over the tiles
+            y = self._decode(rows[0])[None]  # [1, N]
         else:
-            y = F.linear(rows, self.dequantized())
+            y = (rows @ self.weight_t())[:, : self.out_features]  # [M, N]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -197,7 +258,8 @@ class Int8Embedding(nn.Module):
 
 
 class GGUFEmbedding(nn.Module):
-    """Rows of a GGUF table (``GGUFLinear``'s blocks), dequantized on lookup."""
+    """Rows of a GGUF table (``GGUFLinear``'s tiles, shared with a tied head), dequantized on lookup: token v is
+    lane v % 32 of tile v // 32."""
 
     def __init__(self, linear: GGUFLinear, dtype: torch.dtype):
         super().__init__()
@@ -207,10 +269,16 @@ class GGUFEmbedding(nn.Module):
         self.register_buffer("m", linear.m)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        q, d = self.q[tokens].float(), self.d[tokens].float()[..., None]  # [B, T, G, 32], [B, T, G, 1]
-        if self.fmt == "q4_0":
-            q = q - 8
-        w = q * d if self.m is None else q * d + self.m[tokens].float()[..., None]
+        t, lane = tokens // LANES, tokens % LANES  # [B, T] each
+        q = self.q[t, :, :, lane]  # [B, T, G, 16] packed (q4) or [B, T, G, 32] (q8_0)
+        d = self.d[t, :, lane].float()[..., None]  # [B, T, G, 1]
+        if self.fmt == "q8_0":
+            w = q.float() * d
+        else:
+            w = torch.stack([q & 15, q >> 4], dim=-1).flatten(-2).float()  # [B, T, G, 32]
+            w = (w - 8) * d if self.fmt == "q4_0" else w * d
+            if self.m is not None:
+                w = w + self.m[t, :, lane].float()[..., None]
         return w.flatten(-2).to(self.dtype)
 
 
