@@ -10,8 +10,8 @@ weights (and, with ``spec.head``, its ``nn.Embedding`` and the head tied to it) 
   each activation row to int8 first;
 - ``GGUFLinear``: a GGUF's Q4_0 / Q4_1 / Q8_0 blocks, the file's values rearranged but not re-quantized
   (4-bit values two per byte, 32 output rows side by side: ``q [N/32, K/32, 16, 32]``, float16 ``d`` and ``m``
-  ``[N/32, K/32, 32]``), computed in float32. A one-row call (decode) is a fused dequantize-multiply-reduce that
-  Inductor generates from ``GGUFLinear._decode``, reading the tiles once; more rows (prefill) dequantize the
+  ``[N/32, K/32, 32]``), computed in float32. A one-row call (decode) is a fused multiply-reduce (d * (x . q) per
+  block) that Inductor generates from ``GGUFLinear._decode``, reading the tiles once; more rows (prefill) dequantize the
   weight (``d * q + m`` in float32, bit for bit what gguf's dequantize gives) and multiply it with ATen;
 - ``Int8Embedding`` / ``GGUFEmbedding``: the embedding rows gathered and dequantized; a tied head shares
   their buffers (stored once).
