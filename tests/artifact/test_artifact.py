@@ -310,6 +310,11 @@ def test_corrupt_entries_raise_artifact_error(built, tmp_path):
     bad_hash = rewrite(path, tmp_path / "h.kvt", {program: bytes(same_size)})
     with pytest.raises(ArtifactError, match=f"member {program} does not match the SHA-256 its manifest records"):
         kvtrace.load(bad_hash)
+    weights = bytearray(member(path, "weights.safetensors"))
+    weights[-1] ^= 1  # the weights member is read outside zipfile (no CRC check there): the hash still sees it
+    bad_hash = rewrite(path, tmp_path / "wh.kvt", {"weights.safetensors": bytes(weights)})
+    with pytest.raises(ArtifactError, match=r"member weights\.safetensors does not match the SHA-256 its manifest"):
+        kvtrace.load(bad_hash)
     # the same, re-hashed consistently: parsed, and refused as corrupt
     bad_weights = rewrite(path, tmp_path / "w.kvt", {"weights.safetensors": b"not safetensors"}, rehash=True)
     with pytest.raises(ArtifactError, match=r"weights\.safetensors is corrupt"):
@@ -555,6 +560,15 @@ def test_a_tokenizer_that_is_not_utf8_or_not_a_tokenizer_is_refused(exported, tm
     art = kvtrace.load(rewrite(exported, tmp_path / "j.kvt", {"tokenizer.json": b"{}"}, rehash=True))
     with pytest.raises(ArtifactError, match=r"tokenizer.json is not a readable tokenizer"):
         art.tokenizer()
+
+
+def test_the_tokenizer_is_parsed_once_and_shared(exported, tmp_path):
+    import tokenizers
+
+    text = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1}, unk_token="a")).to_str()
+    art = kvtrace.load(rewrite(exported, tmp_path / "t.kvt", {"tokenizer.json": text.encode()}, rehash=True))
+    tok = art.tokenizer()
+    assert tok.token_to_id("b") == 1 and art.tokenizer() is tok  # generate asks for it twice per start
 
 
 def _edit_spec(path: Path, dst: Path, *, heads: int | None = None, max_seq_len: int | None = None,

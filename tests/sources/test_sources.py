@@ -545,3 +545,30 @@ def test_a_remembered_gguf_check_sees_an_in_place_edit_of_its_header(tmp_path):
     _patch_tensor(path, "blk.1.ffn_down.weight", offset=4)  # same size, header bytes changed
     with pytest.raises(SourceError, match=r"not a multiple of the alignment 32"):
         _gguf.check_gguf(path)
+
+
+def test_a_gguf_check_is_remembered_across_processes_until_the_file_or_versions_change(tmp_path, monkeypatch):
+    """The walk's result is also kept in the cache folder (a warm start is a new process): a later process
+    (here: an emptied in-process memo) reuses it without walking, and stops reusing it when the header changes
+    or when the gguf package (whose tables the check consulted) is another version."""
+    path = write_gguf(tmp_path / "m.gguf")
+    first = _gguf.check_gguf(path)
+    records = cache_dir() / _gguf.CHECKS_DIR
+    assert len(list(records.glob("*.json"))) == 1
+    assert list_cache() == []  # a record of the check, not a weights-cache entry
+    walks = []
+    real = _gguf._check_gguf
+    with monkeypatch.context() as m:  # (the autouse fixture's KVTRACE_CACHE stays set)
+        m.setattr(_gguf, "_check_gguf", lambda p: walks.append(p) or real(p))
+        _gguf._CHECKED.clear()
+        again = _gguf.check_gguf(path)
+        assert walks == [] and again == first and again is not first  # read from the record, equal field by field
+        m.setattr(_gguf, "_versions", lambda: ["0", "another gguf"])
+        _gguf._CHECKED.clear()
+        assert _gguf.check_gguf(path) == first and walks == [path]  # other versions: walked again
+    _patch_tensor(path, "blk.1.ffn_down.weight", offset=4)  # same size, header bytes changed
+    _gguf._CHECKED.clear()
+    with pytest.raises(SourceError, match=r"not a multiple of the alignment 32"):
+        _gguf.check_gguf(path)
+    clear_cache()  # `kvtrace cache clear` removes the records too
+    assert not records.exists()

@@ -76,6 +76,7 @@ class Artifact:
         self.manifest = manifest
         self._programs = programs
         self.tokenizer_json = tokenizer_json
+        self._tokenizer: Any = None  # parsed on first use (``tokenizer``)
         self._keepalive = keepalive  # weights / temp dirs the programs reference
         self.device = device if device is not None else torch.device("cpu")  # where weights and programs run
 
@@ -158,16 +159,19 @@ class Artifact:
         return "artifact:" + hashlib.sha256(self.manifest.to_json().encode()).hexdigest()[:16]
 
     def tokenizer(self) -> Any:
-        """The `tokenizers.Tokenizer` stored in the artifact (None if it has none)."""
+        """The `tokenizers.Tokenizer` stored in the artifact (None if it has none), parsed once (~0.1 s for a
+        49152-token vocabulary) and shared by every caller: treat it as read-only (no ``enable_padding`` etc.)."""
         if self.tokenizer_json is None:
             return None
-        from tokenizers import Tokenizer
+        if self._tokenizer is None:
+            from tokenizers import Tokenizer
 
-        try:
-            return Tokenizer.from_str(self.tokenizer_json)
-        except Exception as e:  # tokenizers raises its own exception type
-            raise ArtifactError(f"{self.path}: tokenizer.json is not a readable tokenizer ({clip(str(e), 200)}); "
-                                "re-export the artifact") from e
+            try:
+                self._tokenizer = Tokenizer.from_str(self.tokenizer_json)
+            except Exception as e:  # tokenizers raises its own exception type
+                raise ArtifactError(f"{self.path}: tokenizer.json is not a readable tokenizer ({clip(str(e), 200)}); "
+                                    "re-export the artifact") from e
+        return self._tokenizer
 
     def __repr__(self) -> str:
         m = self.manifest

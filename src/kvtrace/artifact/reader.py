@@ -3,15 +3,23 @@ recorded signatures. What is checked, and in which order, is listed in ``artifac
 
 Nothing is read that the manifest does not list, nothing larger than it declares, nothing before its
 size and compression ratio are bounded; every member's SHA-256 is checked before the member is used.
+
+The weights member (stored, not deflated) is read straight from the file into one 64-byte aligned buffer,
+hashed in a second thread while the next chunk is read, and its tensors are views of that buffer: one copy
+of the weights, not three (zipfile's bytes, safetensors' tensors, and the page faults of each).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+import struct
 import zipfile
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -36,6 +44,12 @@ MEMBER_MAX_BYTES = 1 << 40  # no single member of a real artifact comes near 1 T
 MAX_RATIO = 100  # uncompressed / compressed per member: programs deflate ~3-15x, weights are stored (1x)
 MAX_MEMBERS = 1024  # an artifact has a handful; a directory of millions would cost GBs to parse
 _CHUNK = 1 << 20
+_WEIGHTS_CHUNK = 32 << 20  # read one while the previous one is hashed
+_ALIGN = 64  # Inductor's ALIGN_BYTES: where torch's allocator puts every tensor, and so every weight here
+# safetensors dtype names -> torch dtypes (what safetensors.torch.save writes)
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+              "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+              "BOOL": torch.bool}
 
 
 def check_file_hash(path: Path, expected: str) -> None:
@@ -77,7 +91,52 @@ def _check_size(path: Path, info: zipfile.ZipInfo, limit: int) -> None:
             f"(at most {limit} bytes and {MAX_RATIO}x compression allowed); refusing to decompress it (a zip bomb?)")
 
 
-def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
+def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int) -> tuple[torch.Tensor, str]:
+    """A stored member's ``size`` bytes (its size in the directory, checked against the manifest) as a uint8
+    tensor placed so that a safetensors data section (the bytes after its header) starts 64-byte aligned, and their SHA-256 (which replaces zipfile's CRC check: the
+    manifest's hash is the stronger one). The local header is checked as zipfile checks it: signature, name,
+    no encryption, stored."""
+    f.seek(info.header_offset)
+    head = f.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise ArtifactError(f"{path}: the local header of {info.filename} is missing or damaged; the file is corrupt")
+    flags, method, name_len, extra_len = struct.unpack("<2xHH16xHH", head[4:])
+    name = f.read(name_len)
+    if name.decode("utf-8" if flags & 0x800 else "cp437", "replace") != info.filename or flags & 1 or method != 0:
+        raise ArtifactError(f"{path}: the local header of {info.filename} disagrees with the zip directory (name "
+                            f"{short(name.decode('utf-8', 'replace'))}, method {method}, flags {flags:#x}); the file is corrupt")
+    f.seek(extra_len, 1)
+    first = f.peek(8)[:8] if hasattr(f, "peek") else b""
+    # a safetensors member's data section (after the u64 header length and the header) is what lands aligned
+    skip = 8 + struct.unpack("<Q", first)[0] if len(first) == 8 else 0
+    skip = skip if skip <= size else 0
+    buf = torch.empty(size + _ALIGN, dtype=torch.uint8)
+    start = -(buf.data_ptr() + skip) % _ALIGN
+    out = buf[start : start + size]
+    view = memoryview(out.numpy()) if size else memoryview(b"")
+    h = hashlib.sha256()
+    with ThreadPoolExecutor(1) as pool:  # hashlib releases the GIL: hash one chunk while the next is read
+        pending = None
+        for at in range(0, size, _WEIGHTS_CHUNK):
+            part = view[at : at + _WEIGHTS_CHUNK]
+            got = f.readinto(part)
+            while got < len(part):
+                more = f.readinto(part[got:])
+                if not more:
+                    raise ArtifactError(f"{path}: {info.filename} ends after {at + got} of its {size} bytes; the file "
+                                        "is truncated, re-export it")
+                got += more
+            if pending is not None:
+                pending.result()
+            pending = pool.submit(h.update, part)
+        if pending is not None:
+            pending.result()
+    return out, h.hexdigest()
+
+
+def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes | torch.Tensor]]:
+    """The manifest and every member, checked (see the module docstring): the weights member as a uint8
+    tensor (``_read_stored``), every other one as bytes."""
     if path.is_dir():
         raise UsageError(f"artifact path {path} is a directory; expected an artifact file written by `kvtrace export`")
     if not path.is_file():
@@ -125,10 +184,16 @@ def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
                     raise ArtifactError(f"{path}: member {name} is {info.file_size} bytes, its manifest says {size}; "
                                         "the file is corrupt, re-export it")
                 _check_size(path, info, MEMBER_MAX_BYTES)
-            blobs = {}
+            blobs: dict[str, bytes | torch.Tensor] = {}
             for name in sorted(present):
-                blob = _read_member(zf, by_name[name], declared[name]["size"])  # CRC-checked by zipfile
-                if hashlib.sha256(blob).hexdigest() != declared[name]["sha256"]:
+                info, size = by_name[name], declared[name]["size"]
+                if name == WEIGHTS and info.compress_type == zipfile.ZIP_STORED:
+                    with path.open("rb") as f:
+                        blob, digest = _read_stored(path, f, info, size)
+                else:
+                    blob = _read_member(zf, info, size)  # CRC-checked by zipfile
+                    digest = hashlib.sha256(blob).hexdigest()
+                if digest != declared[name]["sha256"]:
                     raise ArtifactError(f"{path}: member {name} does not match the SHA-256 its manifest records; "
                                         "the file is corrupt or was altered, re-export it")
                 blobs[name] = blob
@@ -139,15 +204,15 @@ def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes]]:
     return manifest, blobs
 
 
-def load_weights(path: Path, blob: bytes, manifest: Manifest,
+def load_weights(path: Path, blob: bytes | torch.Tensor, manifest: Manifest,
                  device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The stored weights, checked against the manifest's weight table, plus the tied aliases (the same
-    tensor under two names); moved to ``device`` once (None: kept on the CPU)."""
-    from safetensors.torch import load as st_load
-
+    tensor under two names); moved to ``device`` once (None: kept on the CPU). ``blob``: the safetensors
+    bytes, or ``read_zip``'s aligned buffer of them, whose tensors are then views (no copy)."""
     try:
-        weights = st_load(blob)
-    except Exception as e:  # safetensors raises its own error type
+        weights = _safetensors_views(blob if isinstance(blob, torch.Tensor) else torch.frombuffer(bytearray(blob),
+                                                                                                   dtype=torch.uint8))
+    except ValueError as e:
         raise ArtifactError(f"{path}: weights.safetensors is corrupt ({clip(str(e), 200)}); re-export the artifact") from e
     table = manifest.weights
     if set(weights) != set(table):
@@ -168,6 +233,55 @@ def load_weights(path: Path, blob: bytes, manifest: Manifest,
                                 "the artifact is inconsistent, re-export it")
         weights[alias] = weights[name]
     return weights
+
+
+def _safetensors_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``buf`` (uint8 [n]) as views of it; ValueError if it is not
+    one. The format: u64 little-endian header length N, N bytes of JSON ({name: {dtype, shape, data_offsets
+    [begin, end)}} and an optional "__metadata__"), then the data, every byte of it in exactly one tensor
+    (safetensors' own rule, checked here as its loader checks it). A view whose start is not 64-byte aligned
+    (a small tensor after an odd-sized one) is copied, so every weight is aligned as torch allocates it."""
+    n = buf.numel()
+    if n < 8:
+        raise ValueError(f"{n} bytes, fewer than the 8-byte header length")
+    (head,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
+    if head > n - 8 or head > MANIFEST_MAX_BYTES:
+        raise ValueError(f"header length {head} does not fit {n} bytes")
+    try:
+        table = json.loads(buf[8 : 8 + head].numpy().tobytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"its header is not JSON: {e}") from e
+    if not isinstance(table, dict):
+        raise ValueError("its header is not a JSON object")
+    table.pop("__metadata__", None)
+    data, spans, out = buf[8 + head :], [], {}
+    for name, entry in table.items():
+        ok = isinstance(entry, dict) and entry.get("dtype") in _ST_DTYPES and isinstance(entry.get("shape"), list) \
+            and isinstance(entry.get("data_offsets"), list) and len(entry["data_offsets"]) == 2 \
+            and all(type(v) is int and v >= 0 for v in (*entry["shape"], *entry["data_offsets"]))
+        if not ok:
+            raise ValueError(f"tensor {short(name)} has a malformed entry {clip(str(entry), 120)}")
+        dtype, shape, (begin, end) = _ST_DTYPES[entry["dtype"]], entry["shape"], entry["data_offsets"]
+        numel = 1
+        for d in shape:
+            numel *= d
+        if end - begin != numel * dtype.itemsize or end > data.numel():
+            raise ValueError(f"tensor {short(name)}: bytes [{begin}, {end}) for {entry['dtype']} {shape} "
+                             f"({numel * dtype.itemsize} bytes) in {data.numel()} bytes of data")
+        spans.append((begin, end, name))
+        t = data[begin:end]
+        if t.data_ptr() % _ALIGN:
+            t = t.clone()  # torch.empty aligns; the dtype view below needs the itemsize's alignment too
+        out[name] = t.view(dtype).reshape(shape)
+    covered = 0
+    for begin, end, name in sorted(spans):
+        if begin != covered:
+            raise ValueError(f"tensor {short(name)} starts at byte {begin}, expected {covered}: tensors overlap or "
+                             "leave a gap")
+        covered = end
+    if covered != data.numel():
+        raise ValueError(f"its tensors cover {covered} of {data.numel()} data bytes")
+    return out
 
 
 def check_signatures(path: Path, manifest: Manifest) -> None:

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import math
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtrace._errors import SourceError, UnsupportedError
+from kvtrace._errors import SourceError, UnsupportedError, UsageError
 
-__all__ = ["SUPPORTED_GGUF_ARCHS", "GGUFInfo", "GGUFTensor", "check_gguf"]
+__all__ = ["CHECKS_DIR", "SUPPORTED_GGUF_ARCHS", "GGUFInfo", "GGUFTensor", "check_gguf"]
 
 # `general.architecture` values that transformers' GGUF loader turns into a plain decoder-only LM.
 SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3")
@@ -46,17 +48,21 @@ class GGUFInfo:
 
 def check_gguf(path: Path) -> GGUFInfo:
     """Walk the GGUF header and tensor table; check the tensors fit the file and the architecture (see
-    ``_check_gguf``). A warm start resolves its source twice (the artifact-cache lookup, then the model) and the
-    walk of SmolLM2's 49152-string vocabulary takes ~0.15 s on a 2-core machine, so the result is remembered
-    per path and reused while the file has the same size and its header bytes (everything the walk read: the
-    first ``data_start`` bytes) hash the same — a few milliseconds. Treat the returned ``GGUFInfo`` as
+    ``_check_gguf``). The walk of SmolLM2's 49152-string vocabulary and the gguf package import it needs take
+    ~0.25 s of a 2-core machine's warm start, so what it found is remembered, in this process and in the cache
+    folder (``cache_dir()/gguf-checks/``, one small JSON file per GGUF path; ``kvtrace cache clear`` removes them), and reused while the file
+    has the same size and its header bytes (everything the walk read: the first ``data_start`` bytes) hash the
+    same — a few milliseconds — under the same kvtrace and gguf versions. Treat the returned ``GGUFInfo`` as
     read-only."""
     path = Path(path)
     size = path.stat().st_size
     seen = _CHECKED.get(path)
     if seen is not None and seen[0] == size and seen[1] == _header_digest(path, seen[2].data_start):
         return seen[2]
-    info = _check_gguf(path)
+    info = _load_check(path, size)
+    if info is None:
+        info = _check_gguf(path)
+        _save_check(path, size, info)
     if len(_CHECKED) >= 8:
         _CHECKED.clear()
     _CHECKED[path] = (size, _header_digest(path, info.data_start), info)
@@ -64,11 +70,60 @@ def check_gguf(path: Path) -> GGUFInfo:
 
 
 _CHECKED: dict[Path, tuple[int, str, GGUFInfo]] = {}  # path -> (size, header digest, what the walk found)
+CHECKS_DIR = "gguf-checks"  # under cache_dir(): what earlier processes' walks found (``_save_check``)
 
 
 def _header_digest(path: Path, n: int) -> str:
     with open(path, "rb") as f:
         return hashlib.sha256(f.read(n)).hexdigest()
+
+
+def _check_file(path: Path) -> Path:
+    from kvtrace.sources.store import cache_dir
+
+    return cache_dir() / CHECKS_DIR / (hashlib.sha256(str(path.absolute()).encode()).hexdigest()[:32] + ".json")
+
+
+def _versions() -> list[str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from kvtrace import __version__
+
+    try:
+        return [__version__, version("gguf")]
+    except PackageNotFoundError:
+        return [__version__, ""]
+
+
+def _load_check(path: Path, size: int) -> GGUFInfo | None:
+    """What an earlier walk of ``path`` found, if its record still describes the file (same path, size, header
+    digest, kvtrace and gguf versions); None otherwise (no record, a stale or unreadable one, no cache folder)."""
+    try:
+        rec = json.loads(_check_file(path).read_text())
+        if rec["path"] != str(path.absolute()) or rec["size"] != size or rec["versions"] != _versions():
+            return None
+        if rec["header"] != _header_digest(path, rec["data_start"]):
+            return None
+        tensors = tuple(GGUFTensor(n, tuple(d), t, o) for n, d, t, o in rec["tensors"])
+        return GGUFInfo(rec["arch"], rec["meta"], tensors, rec["data_start"])
+    except (OSError, ValueError, KeyError, TypeError, UsageError):
+        return None
+
+
+def _save_check(path: Path, size: int, info: GGUFInfo) -> None:
+    """Record a walk that passed (see ``check_gguf``); a cache folder that cannot be written only costs the next
+    start its walk."""
+    try:
+        file = _check_file(path)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        rec = {"path": str(path.absolute()), "size": size, "versions": _versions(),
+               "header": _header_digest(path, info.data_start), "data_start": info.data_start, "arch": info.arch,
+               "meta": info.meta, "tensors": [[t.name, list(t.dims), t.ggml_type, t.offset] for t in info.tensors]}
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(rec))
+        os.replace(tmp, file)  # readers see the old record or the new one, never half of one
+    except (OSError, UsageError, TypeError, ValueError):
+        pass
 
 
 def _check_gguf(path: Path) -> GGUFInfo:

@@ -55,10 +55,13 @@ def list_cache() -> list[tuple[Path, int]]:
 
 
 def clear_cache() -> int:
-    """Delete every weights-cache entry (and leftover temp folders); return the bytes freed."""
-    models = cache_dir() / "models"
+    """Delete every weights-cache entry (and leftover temp folders) and the remembered GGUF checks
+    (``sources.gguf.CHECKS_DIR``); return the bytes freed."""
+    from kvtrace.sources.gguf import CHECKS_DIR
+
+    models, checks = cache_dir() / "models", cache_dir() / CHECKS_DIR
     freed = 0
-    for p in sorted(models.iterdir()) if models.is_dir() else []:
+    for p in [*(sorted(models.iterdir()) if models.is_dir() else []), *([checks] if checks.is_dir() else [])]:
         freed += _size(p)
         if p.is_dir():
             shutil.rmtree(p)
