@@ -25,7 +25,9 @@ What ``load`` checks before the first program call, each failure one ``ArtifactE
     artifact without a GPU: one line, before any weight or library is read);
   * the zip directory: only the members the manifest lists (unknown ones refused), each of the declared
     size, under a ceiling and a compression-ratio bound, read through a bounded stream (no zip bomb);
-  * the SHA-256 of every member (recorded at export) before the member is used;
+  * the SHA-256 of every member (recorded at export) before the member is used (the stored weights member is
+    read straight from the file, its local header checked as zipfile checks it, into one 64-byte aligned
+    buffer whose views are the weights: see ``reader``);
   * the manifest's fields and types; the weights against the manifest's weight table (names, shapes,
     dtypes) and its aliases;
   * every program against the CacheSpec and ProgramSpecs: exported graphs' placeholders (inputs, cache

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 import zipfile
@@ -106,6 +107,10 @@ def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int) -> t
         raise ArtifactError(f"{path}: the local header of {info.filename} disagrees with the zip directory (name "
                             f"{short(name.decode('utf-8', 'replace'))}, method {method}, flags {flags:#x}); the file is corrupt")
     f.seek(extra_len, 1)
+    available = os.fstat(f.fileno()).st_size - f.tell()
+    if available < size:  # before allocating: a directory may claim any size for a short file
+        raise ArtifactError(f"{path}: {info.filename} ends after {max(available, 0)} of its {size} bytes; the file is "
+                            "truncated, re-export it")
     first = f.peek(8)[:8] if hasattr(f, "peek") else b""
     # a safetensors member's data section (after the u64 header length and the header) is what lands aligned
     skip = 8 + struct.unpack("<Q", first)[0] if len(first) == 8 else 0
