@@ -94,9 +94,9 @@ def _check_size(path: Path, info: zipfile.ZipInfo, limit: int) -> None:
 
 def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int) -> tuple[torch.Tensor, str]:
     """A stored member's ``size`` bytes (its size in the directory, checked against the manifest) as a uint8
-    tensor placed so that a safetensors data section (the bytes after its header) starts 64-byte aligned, and their SHA-256 (which replaces zipfile's CRC check: the
-    manifest's hash is the stronger one). The local header is checked as zipfile checks it: signature, name,
-    no encryption, stored."""
+    tensor placed so that a safetensors data section (the bytes after its header) starts 64-byte aligned, and
+    their SHA-256 (which replaces zipfile's CRC check: the manifest's hash is the stronger one). The local
+    header is checked as zipfile checks it: signature, name, no encryption, stored."""
     f.seek(info.header_offset)
     head = f.read(30)
     if len(head) != 30 or head[:4] != b"PK\x03\x04":
@@ -250,7 +250,7 @@ def _safetensors_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
     if n < 8:
         raise ValueError(f"{n} bytes, fewer than the 8-byte header length")
     (head,) = struct.unpack("<Q", buf[:8].numpy().tobytes())
-    if head > n - 8 or head > MANIFEST_MAX_BYTES:
+    if head > n - 8 or head > MANIFEST_MAX_BYTES:  # a header of names and shapes is far smaller than a manifest
         raise ValueError(f"header length {head} does not fit {n} bytes")
     try:
         table = json.loads(buf[8 : 8 + head].numpy().tobytes())
