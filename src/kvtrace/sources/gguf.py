@@ -50,8 +50,8 @@ def check_gguf(path: Path) -> GGUFInfo:
     """Walk the GGUF header and tensor table; check the tensors fit the file and the architecture (see
     ``_check_gguf``). The walk of SmolLM2's 49152-string vocabulary and the gguf package import it needs take
     ~0.25 s of a 2-core machine's warm start, so what it found is remembered, in this process and in the cache
-    folder (``cache_dir()/gguf-checks/``, one small JSON file per GGUF path; ``kvtrace cache clear`` removes them), and reused while the file
-    has the same size and its header bytes (everything the walk read: the first ``data_start`` bytes) hash the
+    folder (``cache_dir()/gguf-checks/``, one small JSON file per GGUF path; ``kvtrace cache clear`` removes
+    them), and reused while the file has the same size and its header bytes (everything the walk read: the first ``data_start`` bytes) hash the
     same — a few milliseconds — under the same kvtrace and gguf versions. Treat the returned ``GGUFInfo`` as
     read-only."""
     path = Path(path)
@@ -59,14 +59,15 @@ def check_gguf(path: Path) -> GGUFInfo:
     seen = _CHECKED.get(path)
     if seen is not None and seen[0] == size and seen[1] == _header_digest(path, seen[2].data_start):
         return seen[2]
-    info = _load_check(path, size)
-    if info is None:
+    found = _load_check(path, size)
+    if found is None:
         info = _check_gguf(path)
-        _save_check(path, size, info)
+        found = info, _header_digest(path, info.data_start)
+        _save_check(path, size, *found)
     if len(_CHECKED) >= 8:
         _CHECKED.clear()
-    _CHECKED[path] = (size, _header_digest(path, info.data_start), info)
-    return info
+    _CHECKED[path] = (size, found[1], found[0])
+    return found[0]
 
 
 _CHECKED: dict[Path, tuple[int, str, GGUFInfo]] = {}  # path -> (size, header digest, what the walk found)
@@ -95,29 +96,31 @@ def _versions() -> list[str]:
         return [__version__, ""]
 
 
-def _load_check(path: Path, size: int) -> GGUFInfo | None:
-    """What an earlier walk of ``path`` found, if its record still describes the file (same path, size, header
-    digest, kvtrace and gguf versions); None otherwise (no record, a stale or unreadable one, no cache folder)."""
+def _load_check(path: Path, size: int) -> tuple[GGUFInfo, str] | None:
+    """What an earlier walk of ``path`` found and the header digest it was found for, if its record still
+    describes the file (same path, size, header digest, kvtrace and gguf versions); None otherwise (no record, a
+    stale or unreadable one, no cache folder)."""
     try:
         rec = json.loads(_check_file(path).read_text())
         if rec["path"] != str(path.absolute()) or rec["size"] != size or rec["versions"] != _versions():
             return None
-        if rec["header"] != _header_digest(path, rec["data_start"]):
+        digest = _header_digest(path, rec["data_start"])
+        if rec["header"] != digest:
             return None
         tensors = tuple(GGUFTensor(n, tuple(d), t, o) for n, d, t, o in rec["tensors"])
-        return GGUFInfo(rec["arch"], rec["meta"], tensors, rec["data_start"])
+        return GGUFInfo(rec["arch"], rec["meta"], tensors, rec["data_start"]), digest
     except (OSError, ValueError, KeyError, TypeError, UsageError):
         return None
 
 
-def _save_check(path: Path, size: int, info: GGUFInfo) -> None:
+def _save_check(path: Path, size: int, info: GGUFInfo, digest: str) -> None:
     """Record a walk that passed (see ``check_gguf``); a cache folder that cannot be written only costs the next
     start its walk."""
     try:
         file = _check_file(path)
         file.parent.mkdir(parents=True, exist_ok=True)
         rec = {"path": str(path.absolute()), "size": size, "versions": _versions(),
-               "header": _header_digest(path, info.data_start), "data_start": info.data_start, "arch": info.arch,
+               "header": digest, "data_start": info.data_start, "arch": info.arch,
                "meta": info.meta, "tensors": [[t.name, list(t.dims), t.ggml_type, t.offset] for t in info.tensors]}
         tmp = file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(rec))
