@@ -9,7 +9,8 @@ repetitive graph metadata and would otherwise outweigh a small model's weights):
     programs/...             the backend's members (``Backend.members``), e.g. for the built-in ones:
     programs/prefill.json    backend "exported": torch.export program, serialized without weights
     programs/decode.json     (one file per program the manifest lists, e.g. also prefill_image.json)
-    programs/aoti.pt2        backend "aoti": AOTInductor package with one model per program;
+    programs/aoti.pt2        backend "aoti": AOTInductor package with one model per compiled program (a
+                             decode ``served_by`` prefill has none: prefill's model, T symbolic, runs it);
                              backend "aoti-packed": one model ("step", T symbolic) serving prefill and
                              decode, its weights frozen and prepacked inside (weights.safetensors is empty)
 

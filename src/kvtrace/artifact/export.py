@@ -276,13 +276,14 @@ def export(
 
     try:
         with progress("capturing programs (torch.export)"):
-            # only what the backend compiles: aoti-packed's one program is prefill's (T symbolic; it serves decode too)
-            wanted = tuple(chosen.compiled({p.name: p for p in programs}).values())
-            eps = chosen.capture(decoder, wanted)
+            # only what the backend compiles: aoti-packed's one program (and aoti's, where decode is served_by
+            # prefill) is prefill's, T symbolic, serving decode too
+            wanted = chosen.compiled({p.name: p for p in programs})  # compiled program name -> ProgramSpec
+            eps = chosen.capture(decoder, tuple(wanted.values()))
             if eps is None:  # the standard capture: the cache as inputs updated in place
-                eps = capture_programs(decoder, wanted)
+                eps = capture_programs(decoder, tuple(wanted.values()))
             weights = {} if chosen.packs_weights else _weights(eps)
-        compiled = chosen.compiled(eps)  # compiled program name -> captured program
+        compiled = {n: eps[p.name] for n, p in wanted.items()}  # compiled program name -> captured program
         with progress(chosen.compile_label):
             if chosen.standalone:  # its own file (e.g. a .pte), the manifest inside; export_seconds: up to lowering
                 return chosen.export_file(path, manifest({}), compiled, decoder.cache_spec.torch_dtype, tokenizer_json)

@@ -17,7 +17,10 @@ from kvtrace.backends.aoti import AotiBackend
 from kvtrace.backends.base import Program
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from kvtrace.spec.manifest import Manifest
+    from kvtrace.spec.program import ProgramSpec
 
 __all__ = ["AOTI_PACKED", "MODEL", "AotiPackedBackend"]
 
@@ -26,6 +29,9 @@ T = TypeVar("T")
 
 
 class AotiPackedBackend(AotiBackend):
+    def program_specs(self, programs: tuple[ProgramSpec, ...], decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
+        return programs  # one program always (``compiled``); no ProgramSpec says so
+
     def compiled(self, programs: Mapping[str, T]) -> dict[str, T]:
         return {MODEL: programs["prefill"]}  # prefill's program, T symbolic, serves decode too
 

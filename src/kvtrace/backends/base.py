@@ -8,8 +8,9 @@ capabilities instead of comparing names.
 Capabilities (fixed per backend; ``tests/backends`` holds each one against what the backend does):
   * ``native_code``: loading dlopens a compiled library from the file (trust it: ``expected_sha256``);
   * ``packs_weights``: the weights are frozen into the program, so the artifact stores none;
-  * ``one_program``: one program (T symbolic) serves prefill and decode; ``compiled`` maps the
-    decoder's ProgramSpecs to the programs actually captured, compiled and signed;
+  * ``one_program``: one program (T symbolic) serves prefill and decode, always; ``compiled`` maps the
+    decoder's ProgramSpecs to the programs actually captured, compiled and signed (a backend may also share
+    per decoder, saying so in the ProgramSpecs it captures: ``aoti``'s decode ``served_by`` prefill);
   * ``no_compile_cache``: compiled with Inductor's compile caches off (see ``aoti.EXPORT_NO_CACHE``);
   * ``holds_state``: the programs hold the cache themselves, as mutable buffers initialized from the
     CacheSpec; ``bind`` gives each Session its own program instance and the state tensors (views of those

@@ -183,6 +183,8 @@ class GGUFLinear(nn.Module):
     reads the tiles once, with 32 outputs side by side in a vector. Prefill (more rows) dequantizes the weight
     (``weight_t``, bit for bit what gguf's dequantize gives) and multiplies with ATen."""
 
+    one_token_path = True  # a one-token call computes differently: a decoder of these needs its own decode program
+
     def __init__(self, fmt: str, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bias: torch.Tensor | None):
         super().__init__()
         self.fmt = fmt

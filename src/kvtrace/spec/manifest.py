@@ -170,7 +170,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "vocab_size": (lambda v: _is_int(v, 1), "an int >= 1"),
     "programs": (_dict_of(lambda x: isinstance(x, dict) and all(
         isinstance(x.get(k, False), bool) for k in ("single_token", "once", "key_pos", "slots")) and all(
-        isinstance(x.get(k, ""), str) for k in ("method", "logits", "signature"))), "an object of program specs"),
+        isinstance(x.get(k, ""), str) for k in ("method", "logits", "signature", "served_by"))),
+        "an object of program specs"),
     "members": (_dict_of(lambda x: isinstance(x, dict) and set(x) == {"size", "sha256"} and _is_int(x["size"])
                          and isinstance(x["sha256"], str) and re.fullmatch("[0-9a-f]{64}", x["sha256"]) is not None),
                 "an object of {size, sha256}"),

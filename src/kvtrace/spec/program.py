@@ -24,6 +24,11 @@ Invariants (checked in ``__post_init__``):
     reads, per row, the slots of ``key_pos`` (L = the longest row's position after the call), masked by
     that row's own positions. A prefill with R = 1 fills one slot; a one-token program with R rows
     decodes every active slot in one step. Needs ``key_pos``; takes no declared inputs.
+  * ``served_by``: the name of another program whose compiled code serves this one (None: its own). Set by
+    a backend (``aoti``), never by a decoder: a one-token program served by a T-symbolic program that
+    agrees with it on everything else (method, inputs, key_pos, slots), called with T = 1. Not its own
+    name; the serving program is served by no other (checked against the whole set at load,
+    ``backends.aoti``).
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ class ProgramSpec:
     logits: str = "all"  # "all": logits [B, T, V]; "last": [B, 1, V], the last position's only
     key_pos: bool = False  # takes key_pos [L] after input_pos: attention reads cache slots [0, L) only
     slots: bool = False  # advances the cache rows slots [R] (after key_pos), each at its own input_pos [R, T]
+    served_by: str | None = None  # another program's compiled code runs this one (T = 1); None: its own
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(self.inputs))
@@ -100,6 +106,10 @@ class ProgramSpec:
         if self.slots and (not self.key_pos or self.inputs or self.once):
             raise UsageError(f"program {self.name}: a slots program takes key_pos and no declared inputs and is not "
                              f"`once`; got key_pos={self.key_pos}, inputs {names}, once={self.once}")
+        if self.served_by is not None and (not isinstance(self.served_by, str) or self.served_by == self.name
+                                           or not self.single_token):
+            raise UsageError(f"program {self.name}: served_by names another program serving this one-token "
+                             f"program; got served_by={self.served_by!r}, single_token={self.single_token}")
 
     def spine(self, batch: int | str = "B", t: int | str = "T", rows: int | str = "R",
               keys: int | str = "L") -> list[tuple[str, tuple[int | str, ...], str]]:
@@ -128,6 +138,8 @@ class ProgramSpec:
         d = asdict(self)
         if not self.slots:
             del d["slots"]  # a plain program's manifest entry reads as before slot programs existed
+        if self.served_by is None:
+            del d["served_by"]  # likewise: a program compiled on its own
         d["inputs"] = [{**asdict(i), "shape": list(i.shape)} for i in self.inputs]
         d["signature"] = self.signature()
         return d
