@@ -21,6 +21,7 @@ from kvtrace.artifact import export as _export
 from kvtrace.artifact.archive import Artifact
 from kvtrace.cache.hf import cache_kwarg_name
 from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec
+from kvtrace.spec.manifest import WEIGHTS
 from kvtrace.spec.tolerances import close, tolerance_for
 
 MAX_SEQ_LEN = 32
@@ -337,10 +338,31 @@ def test_export_failing_while_writing_leaves_no_temp_and_keeps_the_old_file(tmp_
     target = tmp_path / "toy.kvt"
     target.write_bytes(b"the previous artifact")
 
-    def fail_save(*a, **k):
-        raise RuntimeError("disk full while writing weights")
+    real_open = zipfile.ZipFile.open
 
-    monkeypatch.setattr(safetensors.torch, "save", fail_save)  # after manifest.json went into the temp zip
+    class FullDisk:
+        """The weights member's stream: its first write (the safetensors header) goes in, the next one fails."""
+
+        def __init__(self, out):
+            self.out, self.writes = out, 0
+
+        def write(self, b):
+            self.writes += 1
+            if self.writes > 1:
+                raise RuntimeError("disk full while writing weights")
+            return self.out.write(b)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.out.__exit__(*exc)
+
+    def fail_weights(self, name, *a, **k):  # manifest.json has gone into the temp zip when the weights start
+        out = real_open(self, name, *a, **k)
+        return FullDisk(out) if name == WEIGHTS else out
+
+    monkeypatch.setattr(zipfile.ZipFile, "open", fail_weights)
     with pytest.raises(RuntimeError, match="disk full"):
         kvtrace.export(ToyDecoder(), target)
     assert list(tmp_path.iterdir()) == [target]
