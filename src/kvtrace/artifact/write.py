@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from kvtrace._errors import UsageError
+from kvtrace.artifact.reader import _ALIGN, _ST_DTYPES
 from kvtrace.spec.manifest import MANIFEST, TOKENIZER, WEIGHTS, Manifest
 
 __all__ = ["dedupe_weights", "program_signature", "safetensors_layout", "write_artifact"]
@@ -51,11 +52,7 @@ def dedupe_weights(weights: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Te
     return unique, aliases
 
 
-# torch dtype -> safetensors dtype name (the names ``reader`` reads)
-_ST_NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-             torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-             torch.bool: "BOOL"}
-_ALIGN = 64  # where the reader wants each weight to start (``reader._ALIGN``)
+_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}  # torch dtype -> safetensors name, as read
 
 
 def safetensors_layout(weights: dict[str, torch.Tensor]) -> tuple[bytes, list[Any]]:
