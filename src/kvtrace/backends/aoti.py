@@ -449,10 +449,10 @@ _LOADED_SUFFIXES = (".so", ".cpp", ".json")  # what kvtrace keeps of aot_compile
 # Backend "aoti" compiles one program, prefill's (T symbolic), and serves decode with it at T = 1, for every
 # decoder where that is the same computation (``shares_decode``): decode's ProgramSpec says
 # ``served_by="prefill"`` and the manifest signs one program. Measured on SmolLM2 fp32 (2 vCPU AMD, 2 threads,
-# the same run): cold export 57.7-64.3 s vs 71.8 s for two programs compiled in parallel processes (compile
-# alone 45-49 vs 56 s; 48 vs 89 s of CPU time: a tiered start's background compile leaves the streaming
-# decode a core), decode 19.3-21.0 vs 20.3-21.6 tokens/s (within the run's noise), logits bit-identical
-# (stop 30: 48.8-57.4 vs 48.0-56.1 ms a token). False: every program compiled on its own (artifacts of
+# alternated in one session): cold export 52.8 / 54.2 s vs 63.8 / 65.0 s for two programs compiled in parallel
+# processes (capture 5.3 vs 8.0 s, compile 42-43 vs 51 s; 53 vs 96 CPU-s: a tiered start's background compile
+# leaves the streaming decode a core), decode median 15.5 vs 15.7 tokens/s over 8 alternations in one process
+# (within the noise), logits bit-identical over a prefill and 64 decodes. False: every program compiled on its own (artifacts of
 # kvtrace <= 0.4 were; they load as they are).
 SHARED_DECODE = True
 
