@@ -457,6 +457,11 @@ _LOADED_SUFFIXES = (".so", ".cpp", ".json")  # what kvtrace keeps of aot_compile
 SHARED_DECODE = True
 
 
+def _same_call(a: ProgramSpec, b: ProgramSpec) -> bool:
+    """Whether two programs take the same inputs the same way (all but their token count): one library can run both."""
+    return (a.method, a.inputs, a.key_pos, a.slots) == (b.method, b.inputs, b.key_pos, b.slots)
+
+
 def shares_decode(programs: Sequence[ProgramSpec], decoder: torch.nn.Module) -> bool:
     """Whether ``decoder``'s one-token decode can run on its prefill program: exactly a T-symbolic prefill and a
     one-token decode that agree on method, inputs, key_pos and slots (not slot programs: unmeasured), on a
@@ -472,7 +477,7 @@ def shares_decode(programs: Sequence[ProgramSpec], decoder: torch.nn.Module) -> 
         return False
     pre, dec = by_name["prefill"], by_name["decode"]
     if (pre.single_token or not dec.single_token or pre.once or dec.once or pre.slots or pre.served_by
-            or (pre.method, pre.inputs, pre.key_pos) != (dec.method, dec.inputs, dec.key_pos)):
+            or not _same_call(pre, dec)):
         return False
     if device_of(decoder).type != "cpu" or any(getattr(m, "one_token_path", False) for m in decoder.modules()):
         return False
@@ -505,7 +510,7 @@ class AotiBackend(Backend):
                 continue
             host = programs.get(p.served_by)
             if (host is None or host.served_by is not None or host.single_token or not p.single_token
-                    or (host.method, host.inputs, host.key_pos, host.slots) != (p.method, p.inputs, p.key_pos, p.slots)):
+                    or not _same_call(host, p)):
                 raise ArtifactError(f"{path}: program {name} is served by {p.served_by!r}, which the manifest does "
                                     "not declare as a T-symbolic program agreeing with it (method, inputs, key_pos, "
                                     "slots); the artifact is inconsistent, re-export it")
