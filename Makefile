@@ -26,11 +26,11 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 # -n auto --dist loadfile: one worker per core, whole test files per worker (module fixtures built once).
-# DEFAULT: the default suite (everything but the real-model tests and the non-essential compile tests, see
-# tests/conftest.py), ~13 min on 2 cores; EXTENDED: the rest. `make test` (CI) runs both, `make check` the first.
+# DEFAULT: the default suite (everything but the real-model tests, the non-essential compile tests and the
+# family-matrix variants, see tests/conftest.py), under 15 min on 2 cores; EXTENDED: the rest. `make test` (CI) runs both, `make check` the first.
 PYTEST := $(BIN)/python -m pytest -q -n auto --dist loadfile
-DEFAULT := not slow and (not compile or essential)
-EXTENDED := slow or (compile and not essential)
+DEFAULT := not slow and not variant and (not compile or essential)
+EXTENDED := slow or variant or (compile and not essential)
 
 test: $(STAMP) lint
 	@echo "== default suite: $(DEFAULT)"

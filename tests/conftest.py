@@ -57,21 +57,38 @@ ESSENTIAL = (
 )
 
 
+# Family matrices the default suite runs in a few representative forms (each kept one covers a distinct code path:
+# a hybrid cache, attention sinks, learned positions, a partial rotary, a sliding layer); these other forms run in
+# ``make test``'s second stage (CI), to keep the default suite under 15 minutes on 2 cores.
+VARIANTS = (
+    *(f"tests/models/test_hf_generic.py::test_general_decoder_exports_and_matches_eager_beyond_twice_the_window[{f}]"
+      for f in ("gemma", "gemma3_text", "smollm3", "granite", "olmo2", "gpt_neox", "phi3", "mistral")),
+    *(f"tests/models/test_llama_families.py::test_exported_family_matches_eager_logits_and_every_cache_layer[{f}]"
+      for f in ("qwen3", "smollm3", "granite", "olmo2", "phi3", "phi3-longrope")),
+    *(f"tests/models/test_int8_families.py::test_int8_cache_on_every_path_matches_the_same_decoder_eager[{f}]"
+      for f in ("gemma2", "gpt_neox")),
+    *(f"tests/tools/test_lint_sliding.py::test_crossing_and_wrapping_the_window_is_clean_with_one_program_per_regime[{f}]"
+      for f in ("mistral", "qwen2")),
+)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m/-k deselect: ``-m essential`` must see the marker
 def pytest_collection_modifyitems(config, items):
-    """``essential`` on the ESSENTIAL compile tests (a listed test that no longer exists is an error, so the
-    default suite cannot lose one silently); tests marked ``cuda`` run only where torch sees a GPU, elsewhere
-    they are skipped, saying why."""
+    """``essential`` on the ESSENTIAL compile tests and ``variant`` on the VARIANTS (a listed test that no longer
+    exists is an error, so neither list goes stale silently); tests marked ``cuda`` run only where torch sees a
+    GPU, elsewhere they are skipped, saying why."""
     ids = {item.nodeid: item for item in items}
     files = {item.nodeid.split("::")[0] for item in items}
-    for nodeid in ESSENTIAL:
-        if nodeid in ids:
-            item = ids[nodeid]
-            if item.get_closest_marker("compile") is None:
-                raise pytest.UsageError(f"ESSENTIAL lists {nodeid}, which is not marked compile: take it off the list")
-            item.add_marker(pytest.mark.essential)
-        elif nodeid.split("::")[0] in files and not any("::" in a for a in config.args):  # not a picked subset
-            raise pytest.UsageError(f"ESSENTIAL lists {nodeid}, which its file no longer has: update tests/conftest.py")
+    picked = any("::" in a for a in config.args)  # a picked subset: listed tests may be absent
+    for listed, marker in (("ESSENTIAL", "essential"), ("VARIANTS", "variant")):
+        for nodeid in globals()[listed]:
+            if nodeid in ids:
+                item = ids[nodeid]
+                if marker == "essential" and item.get_closest_marker("compile") is None:
+                    raise pytest.UsageError(f"ESSENTIAL lists {nodeid}, which is not marked compile: take it off the list")
+                item.add_marker(getattr(pytest.mark, marker))
+            elif nodeid.split("::")[0] in files and not picked:
+                raise pytest.UsageError(f"{listed} lists {nodeid}, which its file no longer has: update tests/conftest.py")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine "

@@ -229,25 +229,35 @@ def test_verify_bf16_uses_an_fp32_reference_unless_told_not_to(fp32_reference, h
         assert summary["logits_vs_fp32"] is None and "fp32" not in text
 
 
-def test_bench_quick_mode(hf_dir, tmp_path, capsys):
+def _bench_quick(hf_dir, tmp_path, capsys, backends: str) -> tuple[str, dict, dict]:
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    code = main(["bench", "--model", str(hf_dir), "--backends", "hf-eager,jit,exported", "--prompt-len", "4",
+    code = main(["bench", "--model", str(hf_dir), "--backends", backends, "--prompt-len", "4",
                  "--new-tokens", "4", "--runs", "1", "--max-seq-len", "64", "--json", str(out), "--plot", str(png)])
     printed = capsys.readouterr().out
     assert code == 0, printed
-    # stdout is not a terminal here: a full-width Markdown table, no header squeezed into 80 columns ("bac…")
-    assert "| backend | dtype | quant | kv | prompt | compile s | prefill ms | decode tok/s |" in printed and "…" not in printed
-    assert "| exported | float32 | none | auto | 4 |" in printed and "fresh process |" in printed
     data = json.loads(out.read_text())
-    assert data["bandwidth_gb_s"] > 0
     rows = {r["backend"]: r for r in data["results"]}
-    assert set(rows) == {"hf-eager", "jit", "exported"}
+    assert set(rows) == set(backends.split(","))
     for r in rows.values():
         assert r["decode_tok_s"] > 0 and r["prefill_ms"] > 0 and not r["error"]
         assert r["tokens_match_eager"] is True
-    assert rows["jit"]["recompiles"] == 0
-    assert [p for p, _ in rows["exported"]["position_sweep"]] == [32, 48]  # 32, then max_seq_len - 16
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return printed, data, rows
+
+
+def test_bench_quick_mode(hf_dir, tmp_path, capsys):
+    printed, data, rows = _bench_quick(hf_dir, tmp_path, capsys, "hf-eager,exported")
+    # stdout is not a terminal here: a full-width Markdown table, no header squeezed into 80 columns ("bac…")
+    assert "| backend | dtype | quant | kv | prompt | compile s | prefill ms | decode tok/s |" in printed and "…" not in printed
+    assert "| exported | float32 | none | auto | 4 |" in printed and "fresh process |" in printed
+    assert data["bandwidth_gb_s"] > 0
+    assert [p for p, _ in rows["exported"]["position_sweep"]] == [32, 48]  # 32, then max_seq_len - 16
+
+
+@pytest.mark.compile
+def test_bench_jit_row_compiles_once_per_program(hf_dir, tmp_path, capsys):
+    _printed, _data, rows = _bench_quick(hf_dir, tmp_path, capsys, "hf-eager,jit")
+    assert rows["jit"]["recompiles"] == 0
 
 
 def test_lint_command(hf_dir, tmp_path, capsys):
