@@ -44,7 +44,7 @@ def run_staggered(engine: SlotEngine, requests: list[SlotRequest], join_every: i
             slot, ev = engine.admit(requests[i])
             assert slot not in owner
             owner[slot], out[i] = i, []
-            events = [ev]
+            events = [ev] if ev is not None else []  # None: a chunked prefill goes on in the next steps
         else:
             events = []
         events += engine.step()
@@ -145,6 +145,53 @@ def test_all_slots_busy_is_refused_and_cancel_frees_and_resets_a_slot(exported):
     assert engine.active == () and all(bool((t == 0).all()) for t in engine.state)
 
 
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_chunked_prefill_outputs_equal_solo_runs_with_requests_joining_mid_stream(exported, chunk):
+    """prefill_chunk=C: prompts longer than C are prefilled C tokens per call, between decode steps; every
+    answer is still the solo run's, and the freed slots are reset."""
+    solo, art = exported
+    prompts = _prompts((5, 11, 3, 20, 7, 2, 9, 30), seed=6)
+    maxes = [12, 6, 20, 9, 15, 30, 4, 25]
+    engine = art.slot_engine(prefill_chunk=chunk)
+    out = run_staggered(engine, [SlotRequest(p, max_tokens=m) for p, m in zip(prompts, maxes, strict=True)])
+    for i, (p, m) in enumerate(zip(prompts, maxes, strict=True)):
+        assert out[i] == generate(solo.session(), p, max_new_tokens=m).tokens, f"request {i}"
+    assert engine.active == () and all(bool((t == 0).all()) for t in engine.state)
+
+
+def test_each_step_prefills_at_most_one_chunk_while_the_others_decode(exported):
+    _, art = exported
+    whole, chunked = art.slot_engine(), art.slot_engine(prefill_chunk=8)
+    short, long_ = _prompts((4, 30), seed=7)
+    wshort, wev_short = whole.admit(SlotRequest(short, max_tokens=20))
+    wslot, wev = whole.admit(SlotRequest(long_, max_tokens=5))
+    assert whole.position(wslot) == 30 and wev is not None
+    assert chunked.admit(SlotRequest(short, max_tokens=20)) == (wshort, None)  # admit only takes the slot
+    assert chunked.admit(SlotRequest(long_, max_tokens=5)) == (wslot, None)
+    assert chunked.prefilling == (wshort, wslot) and chunked.last_step.prefill_tokens == 0
+    (ev,) = chunked.step()  # the short prompt whole (4 tokens), the long one's first 4: one chunk of 8
+    assert (ev.slot, ev.token) == (wshort, wev_short.token) and chunked.prefilling == (wslot,)
+    assert (chunked.last_step.prefill_tokens, chunked.last_step.decode_rows, chunked.position(wslot)) == (8, 0, 4)
+    for n in (12, 20, 28, 30):  # the long prompt's tokens in the cache after each step
+        before = chunked.position(wslot)
+        events = chunked.step()
+        st = chunked.last_step
+        assert (st.decode_rows, st.prefill_tokens, chunked.position(wslot)) == (1, n - before, n)
+        assert [e.slot for e in events] == ([wshort] if n < 30 else [wshort, wslot]), "the short one decodes on"
+    assert events[-1].token == wev.token and chunked.prefilling == ()
+    for a, b in zip(chunked.state, whole.state, strict=True):  # the long prompt's row, prefilled either way
+        torch.testing.assert_close(a[wslot, :, :30], b[wslot, :, :30], rtol=1e-5, atol=1e-5)
+    # a request cancelled mid-prefill frees its slot and resets its row
+    chunked.cancel(wshort)
+    assert chunked.admit(SlotRequest(long_, max_tokens=5)) == (wshort, None)
+    chunked.step()
+    assert chunked.position(wshort) == 8 and chunked.prefilling == (wshort,)
+    assert chunked.cancel(wshort).finish is FinishReason.CANCELLED and chunked.position(wshort) == 0
+    assert all(bool((t[wshort] == 0).all()) for t in chunked.state)
+    with pytest.raises(UsageError, match="prefill_chunk must be a whole number >= 1"):
+        art.slot_engine(prefill_chunk=0)
+
+
 def test_a_batch_1_artifact_runs_as_one_slot(exported):
     solo, _ = exported
     engine = solo.slot_engine()
@@ -153,6 +200,8 @@ def test_a_batch_1_artifact_runs_as_one_slot(exported):
     out = run_staggered(engine, [SlotRequest(p, max_tokens=10), SlotRequest(p[:3], max_tokens=5)])
     assert out[0] == generate(solo.session(), p, max_new_tokens=10).tokens
     assert out[1] == generate(solo.session(), p[:3], max_new_tokens=5).tokens
+    # its prefill program at positions past 0: chunked prefill
+    assert run_staggered(solo.slot_engine(prefill_chunk=4), [SlotRequest(p, max_tokens=10)])[0] == out[0]
 
 
 def test_text_and_stop_strings(tmp_path):

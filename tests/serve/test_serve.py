@@ -82,7 +82,9 @@ def artifacts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(artifacts):
     art = kvtrace.load(artifacts / "slots.kvt")
-    app = app_for(art, max_queue=6)
+    # chunked prefill: chat prompts (> 16 tokens) are prefilled 16 tokens per call between decode steps, short
+    # completion prompts whole; every answer is still checked against a solo run
+    app = app_for(art, max_queue=6, prefill_chunk=16)
     url, srv, thread = start_server(app)
     yield Server(url, app, kvtrace.load(artifacts / "solo.kvt"), art)
     srv.should_exit = True
@@ -313,6 +315,7 @@ def test_load_32_requests_from_8_clients_all_equal_solo_runs(server):
         jobs.append((i, text, 5 + int(torch.randint(0, 40, (1,), generator=g)), i % 4))
     rss0 = _rss_mib()
     requests0 = server.app.state.metrics.counter("requests_total", endpoint="chat", status="200")
+    prefills0 = server.app.state.metrics.histogram_count("prefill_seconds")
 
     def run(job):
         _i, text, max_tokens, kind = job
@@ -348,6 +351,7 @@ def test_load_32_requests_from_8_clients_all_equal_solo_runs(server):
     assert all(bool((t == 0).all()) for t in server.app.state.engine.state), "every slot reset"
     assert server.app.state.metrics.counter("requests_total", endpoint="chat", status="200") - requests0 == 16
     assert server.worker.steps > 0 and server.app.state.metrics.histogram_count("decode_batch_rows") > 0
+    assert server.app.state.metrics.histogram_count("prefill_seconds") - prefills0 > 32, "long prompts were chunked"
     assert _rss_mib() - rss0 < 64, "memory returned to about where it was"
     assert seconds < 120
 

@@ -14,6 +14,7 @@ from kvtrace.cli.ui import UI
 from kvtrace.serve import SERVE_BACKEND
 
 DEFAULT_PARALLEL = 4  # conversation slots when serving a model source
+DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill call (see SlotEngine: chunked prefill)
 
 
 def load_served(args: argparse.Namespace, ui: UI) -> Any:
@@ -52,7 +53,8 @@ def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
     if max_seq is not None and max_seq > art.cache_spec.max_seq_len:
         raise UsageError(f"--max-seq-len {max_seq} is more than {art.path.name}'s cache holds "
                          f"({art.cache_spec.max_seq_len}); lower it or re-export with a larger --max-seq-len")
-    app = app_for(art, max_seq_len=max_seq, api_key=args.api_key, max_queue=args.queue)
+    app = app_for(art, max_seq_len=max_seq, api_key=args.api_key, max_queue=args.queue,
+                  prefill_chunk=args.prefill_chunk or None)
     engine = app.state.engine
 
     def ready(url: str) -> None:
@@ -84,6 +86,9 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     p.add_argument("--queue", type=int_in(0), default=64, metavar="N",
                    help="requests that may wait for a slot; more get HTTP 429 (default 64)")
+    p.add_argument("--prefill-chunk", type=int_in(0), default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help="prefill long prompts N tokens at a time between decode steps, so other conversations keep "
+                        f"streaming (default {DEFAULT_PREFILL_CHUNK}; 0: whole prompts)")
     p.add_argument("--backend", choices=sorted(registry.names()), default=SERVE_BACKEND,
                    help=f"for a model source (default {SERVE_BACKEND}: one frozen program whose CPU matmuls stay fast "
                         "from 1 to N rows; aoti compiles faster)")

@@ -7,6 +7,12 @@ at once (``decode`` with R = the active rows, each at its own position), which r
 all of them. Requests join and leave between steps; a slot is reset when it is freed (the cache positions it
 wrote refilled with the declared initial value), so an idle engine's cache holds only initial values.
 
+Chunked prefill (``prefill_chunk=C``): ``admit`` only takes the slot; each ``step`` decodes the decoding slots,
+then prefills at most C prompt tokens in all, oldest request first (a short prompt whole, a long one C
+tokens at a time, at positions C, 2C, ... of its row) — so a long prompt pauses the other slots for one
+chunk per step instead of its whole prefill. A request's first token comes from the step that prefills
+the end of its prompt.
+
 An artifact of the ordinary programs with batch 1 (a Session's prefill and decode) runs as an engine of one
 slot; the program specs say which inputs each call takes (``ProgramSpec.spine``).
 
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import operator
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,7 +47,7 @@ from kvtrace.runtime.generate import Sampling, _TextStream, sample
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import ProgramSpec
 
-__all__ = ["FinishReason", "SlotEngine", "SlotEvent", "SlotRequest", "SlotSession"]
+__all__ = ["FinishReason", "SlotEngine", "SlotEvent", "SlotRequest", "SlotSession", "StepStats"]
 
 Program = Callable[..., torch.Tensor]
 
@@ -87,20 +94,37 @@ class SlotEvent:
 class _Active:
     """One admitted request's state: its position in its row, the token to feed next, its output."""
 
-    def __init__(self, request: SlotRequest, limit: int, decode_text: Callable[[list[int]], str] | None):
+    def __init__(self, request: SlotRequest, limit: int, decode_text: Callable[[list[int]], str] | None, order: int):
         s = request.sampling
         self.request = request
+        self.order = order  # admission order: the oldest still-prefilling request gets the next chunk
         self.limit = limit  # at most this many new tokens (max_tokens, or what the cache leaves)
         self.gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
         self.greedy = s.temperature == 0
         self.stop_ids = frozenset(request.stop_ids)
-        self.position = 0  # tokens in this slot's cache row
+        self.position = 0  # tokens in this slot's cache row (while prefilling: the prompt tokens prefilled)
         self.written = 0  # cache positions written since the slot was last reset (reset refills these)
         self.last = -1  # the sampled token the next decode feeds
         self.tokens: list[int] = []
         self.stream = _TextStream(decode_text) if decode_text is not None else None
         self.text = ""  # all text so far
         self.sent = 0  # characters of it handed out in events
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is not in the cache yet (chunked prefill); no token sampled yet."""
+        return self.position < len(self.request.prompt)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What the last ``admit`` or ``step`` ran: prompt tokens prefilled and the seconds it took, decode rows
+    and their seconds (the server's prefill and decode metrics)."""
+
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_rows: int = 0
+    decode_seconds: float = 0.0
 
 
 class SlotEngine:
@@ -110,11 +134,14 @@ class SlotEngine:
     ``spec`` (or, for a one-slot engine, the ordinary programs of a batch-1 artifact). ``max_seq_len``: the
     most tokens (prompt + completion) a slot holds, at most the cache's (default: the cache's).
     ``decode_text``: token ids -> text (the tokenizer's decode), needed for text and stop strings.
+    ``prefill_chunk``: at most this many prompt tokens per prefill call (chunked prefill, see the module
+    docstring); None: a whole prompt at once.
     """
 
     def __init__(self, spec: CacheSpec, programs: Mapping[str, tuple[ProgramSpec, Program]], *,
                  vocab_size: int | None = None, max_seq_len: int | None = None,
-                 decode_text: Callable[[list[int]], str] | None = None, device: str = "cpu"):
+                 decode_text: Callable[[list[int]], str] | None = None, device: str = "cpu",
+                 prefill_chunk: int | None = None):
         (pre_spec, self._prefill), (dec_spec, self._decode) = programs["prefill"], programs["decode"]
         self._pre_spec, self._dec_spec = pre_spec, dec_spec
         if pre_spec.slots != dec_spec.slots or (not pre_spec.slots and spec.batch_size != 1):
@@ -128,8 +155,15 @@ class SlotEngine:
         if max_seq_len is not None and not (isinstance(max_seq_len, int) and 1 < max_seq_len <= spec.max_seq_len):
             raise UsageError(f"max_seq_len must be a whole number in [2, {spec.max_seq_len}] (the artifact's cache), "
                              f"got {max_seq_len!r}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                          or prefill_chunk < 1):
+            raise UsageError(f"prefill_chunk must be a whole number >= 1 (prompt tokens per prefill call) or None, "
+                             f"got {prefill_chunk!r}")
         self.spec = spec
         self.max_seq_len = max_seq_len or spec.max_seq_len
+        self.prefill_chunk = prefill_chunk
+        self.last_step = StepStats()  # what the last admit / step ran
+        self._admitted = 0
         self.n_slots = spec.batch_size
         self._vocab = vocab_size
         self._decode_text = decode_text
@@ -141,8 +175,13 @@ class SlotEngine:
     # --- what is running ------------------------------------------------------------------------------
     @property
     def active(self) -> tuple[int, ...]:
-        """Slots holding a request, in slot order."""
+        """Slots holding a request (decoding or still prefilling), in slot order."""
         return tuple(sorted(self._slots))
+
+    @property
+    def prefilling(self) -> tuple[int, ...]:
+        """Active slots whose prompt is not all in the cache yet (chunked prefill), in slot order."""
+        return tuple(s for s in sorted(self._slots) if self._slots[s].prefilling)
 
     @property
     def free(self) -> tuple[int, ...]:
@@ -202,41 +241,55 @@ class SlotEngine:
             raise UsageError("stop strings need text: give the engine decode_text (the artifact's tokenizer)")
         return m if m is not None else limit - n
 
-    def admit(self, request: SlotRequest) -> tuple[int, SlotEvent]:
-        """Prefill ``request`` into a free slot and sample its first token: (slot, its first SlotEvent).
+    def admit(self, request: SlotRequest) -> tuple[int, SlotEvent | None]:
+        """Prefill ``request`` into a free slot and sample its first token: (slot, its first SlotEvent); the
+        event is None while a chunked prefill has prompt left (a later ``step`` gives it).
         Raises UsageError when every slot is busy (nothing changes), or what ``check`` raises."""
         limit = self.check(request)
         free = self.free
         if not free:
             raise UsageError(f"all {self.n_slots} slots are busy; wait for a request to finish (step) or cancel one")
         slot = free[0]
-        a = _Active(request, limit, self._decode_text)
-        n = len(request.prompt)
-        tokens = torch.tensor([list(request.prompt)], dtype=torch.int64, device=self._device)  # [1, T]
-        self._slots[slot] = a
-        try:
-            with torch.inference_mode():
-                logits = self._run(self._prefill, self._pre_spec, tokens, [0], [slot], n)[:, -1]  # [1, V]
-        except BaseException:
-            del self._slots[slot]
-            self._reset(slot, n)
-            raise
-        a.position = a.written = n
-        return slot, self._emit([slot], logits)[0]
+        self._slots[slot] = a = _Active(request, limit, self._decode_text, self._admitted)
+        self._admitted += 1
+        if self.prefill_chunk is not None:  # the next steps prefill it
+            self.last_step = StepStats()
+            return slot, None
+        t0 = time.perf_counter()
+        ev = self._prefill_next(slot, a, len(request.prompt))
+        self.last_step = StepStats(len(request.prompt), time.perf_counter() - t0)
+        return slot, ev
 
     def step(self) -> list[SlotEvent]:
-        """Decode one token for every active slot at once; one SlotEvent per slot (finished ones are freed)."""
-        rows = self.active
-        if not rows:
-            return []
-        acts = [self._slots[s] for s in rows]
-        tokens = torch.tensor([[a.last] for a in acts], dtype=torch.int64, device=self._device)  # [R, 1]
-        with torch.inference_mode():
-            logits = self._run(self._decode, self._dec_spec, tokens, [a.position for a in acts], list(rows), 1)[:, -1]
-        for a in acts:
-            a.position += 1
-            a.written = max(a.written, a.position)
-        return self._emit(list(rows), logits)
+        """Decode one token for every decoding slot at once, then (chunked prefill) prefill up to
+        ``prefill_chunk`` prompt tokens of the waiting requests, oldest first; one SlotEvent per decoded slot
+        (finished ones are freed), plus the first token of each request whose prompt is now all prefilled."""
+        rows = [s for s in self.active if not self._slots[s].prefilling]
+        events: list[SlotEvent] = []
+        t0 = time.perf_counter()
+        if rows:
+            acts = [self._slots[s] for s in rows]
+            tokens = torch.tensor([[a.last] for a in acts], dtype=torch.int64, device=self._device)  # [R, 1]
+            with torch.inference_mode():
+                logits = self._run(self._decode, self._dec_spec, tokens, [a.position for a in acts], rows, 1)[:, -1]
+            for a in acts:
+                a.position += 1
+                a.written = max(a.written, a.position)
+            events = self._emit(rows, logits)
+        t1 = time.perf_counter()
+        budget = self.prefill_chunk or 0
+        for slot in sorted(self.prefilling, key=lambda s: self._slots[s].order):
+            if budget == 0:
+                break
+            a = self._slots[slot]
+            t = min(budget, len(a.request.prompt) - a.position)
+            budget -= t
+            ev = self._prefill_next(slot, a, t)
+            if ev is not None:
+                events.append(ev)
+        filled = (self.prefill_chunk or 0) - budget
+        self.last_step = StepStats(filled, time.perf_counter() - t1 if filled else 0.0, len(rows), t1 - t0)
+        return events
 
     def cancel(self, slot: int) -> SlotEvent | None:
         """Stop the request in ``slot`` and free it (reset); None if the slot was free."""
@@ -253,6 +306,22 @@ class SlotEngine:
         self.spec.reset_(self._state)
 
     # --- internals ------------------------------------------------------------------------------------
+    def _prefill_next(self, slot: int, a: _Active, t: int) -> SlotEvent | None:
+        """Prefill the next ``t`` tokens of ``a``'s prompt into ``slot``; sample the first token once the prompt
+        is all in (its event), else None. A failing program frees and resets the slot."""
+        prompt = a.request.prompt
+        start = a.position
+        tokens = torch.tensor([list(prompt[start : start + t])], dtype=torch.int64, device=self._device)  # [1, T]
+        try:
+            with torch.inference_mode():
+                logits = self._run(self._prefill, self._pre_spec, tokens, [start], [slot], t)[:, -1]  # [1, V]
+        except BaseException:
+            del self._slots[slot]
+            self._reset(slot, start + t)
+            raise
+        a.position = a.written = start + t
+        return None if a.prefilling else self._emit([slot], logits)[0]
+
     def _run(self, program: Program, spec: ProgramSpec, tokens: torch.Tensor, starts: list[int], rows: list[int],
              t: int) -> torch.Tensor:
         """tokens [R, T] into ``rows``, row r at positions starts[r] .. starts[r]+T-1 -> logits [R, 1 or T, V]."""

@@ -239,14 +239,15 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
 
 
 def app_for(artifact: Any, *, max_seq_len: int | None = None, api_key: str | None = None, max_queue: int = 64,
-            model: str | None = None) -> Any:
-    """The application serving a loaded ``Artifact`` (its slots, tokenizer and chat template)."""
+            model: str | None = None, prefill_chunk: int | None = None) -> Any:
+    """The application serving a loaded ``Artifact`` (its slots, tokenizer and chat template);
+    ``prefill_chunk``: prompt tokens per prefill call between decode steps (None: whole prompts)."""
     m = artifact.manifest
     tok = artifact.tokenizer()
     if tok is None:
         raise UsageError(f"{artifact.path} has no tokenizer, so it cannot be served over text; export it from a model "
                          "source that has one")
-    engine = artifact.slot_engine(max_seq_len=max_seq_len)
+    engine = artifact.slot_engine(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk)
     temperature = m.generation.get("temperature") or 0.0
     renderer = Renderer(tok, m.chat_template, m.bos_id, m.eos_ids, temperature=float(temperature))
     name = model or m.model_name or artifact.path.stem

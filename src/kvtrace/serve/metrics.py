@@ -37,7 +37,7 @@ class Metrics:
         "requests_total": ("counter", "HTTP requests answered, by endpoint and status code"),
         "prompt_tokens_total": ("counter", "prompt tokens prefilled"),
         "completion_tokens_total": ("counter", "tokens generated"),
-        "prefill_seconds": ("histogram", "time of one prefill (one request into its slot)"),
+        "prefill_seconds": ("histogram", "time of one prefill call (a prompt, or one chunk of it with --prefill-chunk, into its slot)"),
         "decode_step_seconds": ("histogram", "time of one decode step (one token for every active slot)"),
         "time_to_first_token_seconds": ("histogram", "request received to first token"),
         "decode_batch_rows": ("histogram", "active slots decoded per step"),

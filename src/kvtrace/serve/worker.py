@@ -1,8 +1,9 @@
 """The model thread: one thread owns the SlotEngine (its programs and cache) and runs the serving loop.
 
-    loop: cancel the slots whose clients left -> admit queued jobs into free slots (one prefill each)
-          -> one decode step for every active slot -> hand each event to its job -> repeat;
-          with nothing active, sleep until a job arrives
+    loop: cancel the slots whose clients left -> admit queued jobs into free slots (one prefill each; with
+          --prefill-chunk C only the slot) -> one decode step for every decoding slot (then, chunked, up to
+          C prompt tokens of the waiting prompts) -> hand each event to its job -> repeat; with nothing
+          active, sleep until a job arrives
 
 Which thread: the one that loaded the programs, when it can (``kvtrace serve`` runs this loop on its main
 thread and uvicorn on another: ``serve.app.serve``). The compiled programs' kernels are OpenMP parallel
@@ -172,16 +173,18 @@ class Worker:
                 continue
             self._admit(job)
         if self.engine.active:
-            t0 = time.perf_counter()
-            rows = len(self.engine.active)
             try:
                 events = self.engine.step()
             except Exception as e:  # a program failed: fail every running job (they are reset), keep serving
                 self._fail_all(f"generation failed: {type(e).__name__}: {e}")
                 return
-            self.metrics.observe("decode_step_seconds", time.perf_counter() - t0)
-            self.metrics.observe("decode_batch_rows", rows)
-            self.steps += 1
+            st = self.engine.last_step
+            if st.decode_rows:
+                self.metrics.observe("decode_step_seconds", st.decode_seconds)
+                self.metrics.observe("decode_batch_rows", st.decode_rows)
+                self.steps += 1
+            if st.prefill_tokens:
+                self.metrics.observe("prefill_seconds", st.prefill_seconds)
             for ev in events:
                 self._deliver(ev)
         # Hand the GIL to the HTTP thread now, so it sends these tokens before the next step: a compiled program
@@ -189,7 +192,6 @@ class Worker:
         time.sleep(0)
 
     def _admit(self, job: Job) -> None:
-        t0 = time.perf_counter()
         try:
             slot, ev = self.engine.admit(job.request)
         except KvtraceError as e:  # checked before queueing; a refusal here is answered, never raised
@@ -198,10 +200,12 @@ class Worker:
         except Exception as e:  # the prefill program failed: the engine reset the slot
             job._put(Done(None, len(job.request.prompt), 0, error=f"prefill failed: {type(e).__name__}: {e}"))
             return
-        self.metrics.observe("prefill_seconds", time.perf_counter() - t0)
+        if self.engine.last_step.prefill_tokens:  # with --prefill-chunk the steps prefill it
+            self.metrics.observe("prefill_seconds", self.engine.last_step.prefill_seconds)
         self.metrics.inc("prompt_tokens_total", len(job.request.prompt))
         self._jobs[slot] = job
-        self._deliver(ev)
+        if ev is not None:  # None: a chunked prefill goes on in the next steps
+            self._deliver(ev)
 
     def _deliver(self, ev: SlotEvent) -> None:
         job = self._jobs[ev.slot]
