@@ -371,7 +371,8 @@ def test_the_cli_serves_an_artifact_in_its_own_process(artifacts):
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "serve", str(artifacts / "slots.kvt"), "--port",
-                             str(port), "--api-key", "sk-cli"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             str(port), "--api-key", "sk-cli", "--prefill-chunk", "3"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
                             text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -387,7 +388,13 @@ def test_the_cli_serves_an_artifact_in_its_own_process(artifacts):
         assert httpx.post(url + "/v1/chat/completions", json=body).status_code == 401
         r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-cli"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        prompt = r.json()["usage"]["prompt_tokens"]
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": "Bearer sk-cli"}).text
+        calls = next(float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("kvtrace_prefill_seconds_count"))
+        assert calls == -(-prompt // 3), "--prefill-chunk 3: the prompt prefilled 3 tokens per call"
     finally:
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert f"on http://127.0.0.1:{port}/v1" in err and "4 conversation slot(s), max_seq_len 96" in err
+    assert "prompts prefilled 3 tokens per step" in err

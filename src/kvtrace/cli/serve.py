@@ -59,7 +59,8 @@ def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
 
     def ready(url: str) -> None:
         ui.notice(f"serving {art.manifest.model_name or art.path.stem} on {url}/v1 (OpenAI API): "
-                  f"{engine.n_slots} conversation slot(s), max_seq_len {engine.max_seq_len}, backend "
+                  f"{engine.n_slots} conversation slot(s), max_seq_len {engine.max_seq_len}, prompts prefilled "
+                  f"{f'{engine.prefill_chunk} tokens per step' if engine.prefill_chunk else 'whole'}, backend "
                   f"{art.manifest.backend}; Ctrl-C stops")
 
     serve(app, host=args.host, port=args.port, log_level="info" if args.debug else "warning", on_ready=ready)
