@@ -192,3 +192,20 @@ def assert_exact_beyond_window(model: torch.nn.Module, art, runner: str, prompts
     assert held == [window - 1 if k is LayerKind.SLIDING else end for k in kinds]
     return {"logits": max(r.logits_max_abs for r in report.rows),
             "cache": max(max(*r.k_max_abs, *r.v_max_abs) for r in report.rows)}
+
+
+def elf_sections(so: bytes) -> dict[str, int]:
+    """Section name -> size in bytes of a 64-bit little-endian ELF library (a compiled AOTInductor program:
+    its frozen weights are ``.lrodata``)."""
+    import struct
+
+    assert so[:6] == b"\x7fELF\x02\x01", "not a 64-bit little-endian ELF file"
+    shoff, = struct.unpack_from("<Q", so, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", so, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", so, shoff + i * shentsize) for i in range(shnum)]  # name, type, flags, addr, offset, size
+    names_at = headers[shstrndx][4]
+
+    def name(off: int) -> str:
+        return so[names_at + off: so.index(b"\0", names_at + off)].decode()
+
+    return {name(h[0]): h[5] for h in headers if h[0]}

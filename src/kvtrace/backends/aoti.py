@@ -179,6 +179,17 @@ def uncached(enabled: bool, scratch: Path) -> Iterator[None]:
         yield
 
 
+def _module(ep: torch.export.ExportedProgram, options: dict[str, Any]) -> torch.fx.GraphModule:
+    """The module AOTInductor compiles: ``ep``'s, its linear weights pre-transposed when Inductor's CPU GEMM
+    templates pack them into the library (``packing.pretransposed``: else the library holds each weight twice)."""
+    from kvtrace.backends.packing import pretransposed
+
+    gm = ep.module()
+    if options.get("freezing") and "CPP" in options.get("max_autotune_gemm_backends", ""):
+        pretransposed(gm)
+    return gm
+
+
 def probe_vec_isa() -> None:
     """Which vector ISAs this machine's compiler builds and loads (Inductor asks once per process): asked
     *with* Inductor's on-disk cache, before a compile that runs without it (EXPORT_NO_CACHE), so the probe
@@ -439,7 +450,7 @@ def _compile_worker() -> None:
     probe_vec_isa()
     out = Path(job["out"])
     with uncached(job["no_cache"], out.parent / f"{out.name}.inductor"):  # under the parent's temp dir
-        files = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=job["options"])
+        files = torch._inductor.aot_compile(_module(ep, job["options"]), _example_args(ep), options=job["options"])
     out.write_text(json.dumps(files))
 
 
@@ -537,7 +548,8 @@ class AotiBackend(Backend):
                 files = {}
                 for name, ep in eps.items():
                     with uncached(self.no_compile_cache, Path(tmp) / f"{name}.inductor"):
-                        files[name] = torch._inductor.aot_compile(ep.module(), _example_args(ep), options=opts[name])
+                        files[name] = torch._inductor.aot_compile(_module(ep, opts[name]), _example_args(ep),
+                                                                  options=opts[name])
             files = {name: _package_files(out) for name, out in files.items()}
             pkg = Path(tmp) / "aoti.pt2"
             package_aoti(str(pkg), files)
