@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -444,11 +446,16 @@ def test_aoti_packed_matches_eager_with_one_program_holding_the_weights(tmp_path
             models = {n.split("/aotinductor/")[1].split("/")[0] for n in pkg.namelist() if "/aotinductor/" in n}
             [lib] = [pkg.read(n) for n in pkg.namelist() if n.endswith(".so")]
     assert models == {"step"}  # one program serves prefill and decode
-    # One copy of each weight in the library: Inductor's GEMM templates (bf16 here) kept every original next
-    # to its packed copy (1.93x the weights on this model) until backends/packing handed them pre-transposed.
+    # One copy of each weight in the library: compiled with grad mode on, Inductor never froze, and its GEMM
+    # templates (bf16 here) kept every original next to its packed copy (1.93x the weights on this model).
     weights = sum(t.numel() * t.element_size() for t in {p.data_ptr(): p for p in model.parameters()}.values())
     constants = elf_sections(lib)[".lrodata"]
     assert constants <= 1.15 * weights, f"library constants {constants} B for {weights} B of weights"
+    # In a fresh process: a frozen program's AMX kernels (bf16) die of SIGILL unless the loader asks Linux for
+    # the AMX tiles, as the compiling process did (aoti._runner).
+    code = f"import kvtrace, torch; print(kvtrace.load({str(path)!r}).session().prefill(torch.tensor([[1, 2, 3]])).shape)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
     assert art.manifest.backend == "aoti-packed" and set(art.manifest.programs) == {"prefill", "decode"}
 
 

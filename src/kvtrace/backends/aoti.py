@@ -72,20 +72,29 @@ EMBED_KERNELS_ENV = "KVTRACE_AOTI_EMBED_KERNELS"
 EXPORT_NO_CACHE = {"force_disable_caches": True}
 
 
-def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, device_type: str = "cpu") -> dict[str, Any]:
+def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, device_type: str = "cpu",
+                     rows: bool = False) -> dict[str, Any]:
     """Inductor settings kvtrace compiles with (one place, reported by bench).
 
     Default: weights stay outside the .so; they are loaded from the model / artifact once.
-    ``packed``: freezing — the weights are folded into the compiled library as constants, prepacked for
-    the CPU matmul kernels, so one program holds its own weights and an artifact has exactly one copy.
-    In bf16/fp16 on CPU also max-autotune over Inductor's CPU GEMM templates (AMX / AVX-512 micro-kernels)
-    and ATen, per matmul: on SmolLM2 bf16 it doubles decode speed over frozen oneDNN matmuls (57-66 vs 40
-    tokens/s) at ~4x the compile time. In fp32 it depends on the CPU: on the Intel machines the templates lost
-    to the frozen MKL/oneDNN matmuls (decode 33.6 vs 37 tokens/s, prefill 137 vs 83 ms), so fp32 freezes
-    only there; on AMD (``_cpu_vendor()``), where MKL's fp32 GEMV streams ~11-13 GB/s of a 36 GB/s machine
-    (the 49152x576 head: 10.4 ms vs the template's 3.6 ms), fp32 gets the templates too: SmolLM2 fp32
-    packed decode 54.7-61.9 tokens/s vs `aoti` 23.1-24.6 (same process, interleaved; verify PASS, logits
-    9.8e-5), export 166 s.
+    ``packed``: freezing — the weights are folded into the compiled library as constants (compiled under
+    ``no_grad``, see ``_aot_compile``: else Inductor does not freeze), so one program holds its own weights.
+    How its CPU matmuls run, measured on SmolLM2 on a 2-vCPU Intel (AMX) machine, each pair in one process,
+    alternated (stop 33):
+
+    - bf16/fp16: max-autotune over Inductor's CPU GEMM templates (AMX micro-kernels on frozen, prepacked
+      weights) and ATen, per matmul: decode 85.3 tokens/s vs 64.5 for the same templates unfrozen.
+    - fp32, one row (``rows`` False: a batch-1 program): frozen, weights not prepacked (``cpp.weight_prepack``
+      off: ATen's MKL matmuls on the folded weights): 45.4 tokens/s, prefill 56.9 ms; oneDNN-prepacked
+      38.5 / 53.6 ms; the templates 46.4 / 84.6 ms (their prefill loses).
+    - fp32, ``rows`` (a program over several cache rows: ``--slots``, ``batch_size`` > 1): frozen and
+      oneDNN-prepacked. A decode step over R rows: 26.5 ms at R=1, 35.3 ms at R=8, vs 22.7 / 51.5 ms for MKL on
+      unpacked weights (MKL's fp32 GEMM at M >= 4 rows runs at half the bandwidth) and 22.2 / 42.8 ms for
+      the templates: 8 conversations decode 1.5x faster than without packing, one 15 % slower.
+    - fp32 on AMD CPUs (``_cpu_vendor()``), whatever the rows: the templates, where MKL's fp32 GEMV streams
+      ~11-13 GB/s of a 36 GB/s machine (the 49152x576 head: 10.4 ms vs the template's 3.6 ms): decode
+      54.7-61.9 tokens/s vs `aoti` 23.1-24.6 (measured unfrozen, stop 2x; frozen unmeasured on AMD).
+
     ``dtype`` None: float32. ``device_type`` "cuda": the kernels are embedded in the library (packed CUDA
     programs freeze only: no GPU autotuning is set up, and none is measured).
     """
@@ -104,6 +113,8 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
                 "autotune_num_choices_displayed": 0,  # no per-matmul benchmark tables on stderr
                 "max_autotune_report_choices_stats": False,
             })
+        elif device_type == "cpu" and not rows:
+            opts["cpp.weight_prepack"] = False
     else:
         opts = {"aot_inductor.package_constants_in_so": False}
     if device_type == "cuda" and os.environ.get(EMBED_KERNELS_ENV, "1") != "0":
@@ -136,10 +147,11 @@ def _embed_kernels_option() -> str:
                        "needs it to keep CUDA kernels inside the compiled library")
 
 
-def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu", int8_cache: bool = False
-                   ) -> dict[str, Any]:
+def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu", int8_cache: bool = False,
+                   rows: bool = False) -> dict[str, Any]:
     """What an artifact's programs are compiled with: ``inductor_options`` without Inductor's caches.
 
+    ``rows``: the program runs over several cache rows (``inductor_options``).
     ``int8_cache`` (the program takes int8 state: an int8 KV cache) adds ``emulate_precision_casts``: the
     cache stores each scale rounded to its dtype and eager divides by that rounded scale, but Inductor, fusing
     the quantize, divides by the unrounded one unless it emulates the cast. Measured on a 4-layer tiny Llama
@@ -153,7 +165,7 @@ def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu", i
     # time on it (SmolLM2 decode: 62 -> 37 s with other jobs on the machine) and decode is as fast (8.4 vs 8.5
     # tokens/s, one thread, the same run); the kernels keep Inductor's -O3.
     # (CPU programs; a CUDA program's wrapper keeps Inductor's default, unmeasured on a GPU.)
-    opts = {**inductor_options(packed, dtype, device_type), **EXPORT_NO_CACHE, "aot_inductor.check_lowerbound": False}
+    opts = {**inductor_options(packed, dtype, device_type, rows), **EXPORT_NO_CACHE, "aot_inductor.check_lowerbound": False}
     if device_type == "cpu":
         opts["aot_inductor.compile_wrapper_opt_level"] = "O0"
     if int8_cache:
@@ -179,15 +191,17 @@ def uncached(enabled: bool, scratch: Path) -> Iterator[None]:
         yield
 
 
-def _module(ep: torch.export.ExportedProgram, options: dict[str, Any]) -> torch.fx.GraphModule:
-    """The module AOTInductor compiles: ``ep``'s, its linear weights pre-transposed when Inductor's CPU GEMM
-    templates pack them into the library (``packing.pretransposed``: else the library holds each weight twice)."""
-    from kvtrace.backends.packing import pretransposed
+def _aot_compile(ep: torch.export.ExportedProgram, options: dict[str, Any]) -> list[str] | str:
+    """``torch._inductor.aot_compile`` of ``ep`` with ``options``, under ``torch.no_grad()``: Inductor freezes
+    (folds the weights as constants, prepacks them for oneDNN, prunes the originals) only when grad mode is
+    off (``compile_fx``: ``config.freezing and not torch.is_grad_enabled()``); with it on, ``freezing`` did
+    nothing but embed the weights (``package_constants_in_so``), and every matmul ran ATen's plain mm."""
+    import torch
 
-    gm = ep.module()
-    if options.get("freezing") and "CPP" in options.get("max_autotune_gemm_backends", ""):
-        pretransposed(gm)
-    return gm
+    from kvtrace.capture.export import _example_args
+
+    with torch.no_grad():
+        return torch._inductor.aot_compile(ep.module(), _example_args(ep), options=options)
 
 
 def probe_vec_isa() -> None:
@@ -287,6 +301,11 @@ def _runner(so_path: str | os.PathLike[str], device: torch.device) -> Any:
             raise ArtifactError(f"this torch ({torch.__version__}) was built without CUDA, so it cannot run a program "
                                 "compiled for CUDA; install a CUDA build of torch")
         return cls(os.fspath(so_path), 1, str(device))
+    # A frozen bf16 program's GEMM templates may use AMX tiles, which Linux lets a process use only once it
+    # asked (arch_prctl XCOMP_PERM); Inductor asks in the process that compiles, not in one that loads, and an
+    # AMX instruction there dies of SIGILL (measured: SmolLM2 bf16 aoti-packed, frozen, in a fresh process).
+    # torch's own request; False (nothing done) on a CPU without AMX.
+    torch._C._cpu._init_amx()
     return torch._C._aoti.AOTIModelContainerRunnerCpu(os.fspath(so_path), 1)
 
 
@@ -431,7 +450,6 @@ def _compile_worker() -> None:
     from torch._export.serde.serialize import SerializedArtifact, deserialize
 
     from kvtrace.backends.exported import _program_weight_names
-    from kvtrace.capture.export import _example_args
 
     job = json.loads(Path(sys.argv[1]).read_text())
     # Inductor specializes each CPU kernel's OpenMP loop for torch.get_num_threads() at code generation (unless
@@ -450,7 +468,7 @@ def _compile_worker() -> None:
     probe_vec_isa()
     out = Path(job["out"])
     with uncached(job["no_cache"], out.parent / f"{out.name}.inductor"):  # under the parent's temp dir
-        files = torch._inductor.aot_compile(_module(ep, job["options"]), _example_args(ep), options=job["options"])
+        files = _aot_compile(ep, job["options"])
     out.write_text(json.dumps(files))
 
 
@@ -466,6 +484,15 @@ _LOADED_SUFFIXES = (".so", ".cpp", ".json")  # what kvtrace keeps of aot_compile
 # (within the noise), logits bit-identical over a prefill and 64 decodes. False: every program compiled on its own (artifacts of
 # kvtrace <= 0.4 were; they load as they are).
 SHARED_DECODE = True
+
+
+def _rows(ep: torch.export.ExportedProgram) -> bool:
+    """Whether ``ep`` runs over several cache rows: its tokens (the first input, [B or R, T]) have a first
+    dimension other than a static 1 (a slots program's symbolic R, a batch_size > 1 program's B)."""
+    first = ep.graph_signature.user_inputs[0]
+    [node] = [n for n in ep.graph.nodes if n.op == "placeholder" and n.name == first]
+    b = node.meta["val"].shape[0]
+    return not (isinstance(b, int) and b == 1)
 
 
 def _same_call(a: ProgramSpec, b: ProgramSpec) -> bool:
@@ -535,7 +562,7 @@ class AotiBackend(Backend):
         def options(name: str, ep: torch.export.ExportedProgram) -> dict[str, Any]:
             args = _example_args(ep)  # tokens first: where the program was captured; int8 state: an int8 cache
             return {**export_options(self.packs_weights, dtype, args[0].device.type,
-                                     int8_cache=any(a.dtype == torch.int8 for a in args)),
+                                     int8_cache=any(a.dtype == torch.int8 for a in args), rows=_rows(ep)),
                     "aot_inductor.package": True, "aot_inductor.model_name_for_generated_files": name}
 
         opts = {name: options(name, ep) for name, ep in eps.items()}
@@ -548,8 +575,7 @@ class AotiBackend(Backend):
                 files = {}
                 for name, ep in eps.items():
                     with uncached(self.no_compile_cache, Path(tmp) / f"{name}.inductor"):
-                        files[name] = torch._inductor.aot_compile(_module(ep, opts[name]), _example_args(ep),
-                                                                  options=opts[name])
+                        files[name] = _aot_compile(ep, opts[name])
             files = {name: _package_files(out) for name, out in files.items()}
             pkg = Path(tmp) / "aoti.pt2"
             package_aoti(str(pkg), files)
