@@ -77,16 +77,17 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
     """Inductor settings kvtrace compiles with (one place, reported by bench).
 
     Default: weights stay outside the .so; they are loaded from the model / artifact once.
-    ``packed``: freezing — the weights are folded into the compiled library as constants (compiled under
-    ``no_grad``, see ``_aot_compile``: else Inductor does not freeze), so one program holds its own weights.
+    ``packed``: the weights are embedded in the compiled library (one program holds its own weights) and,
+    but for one-row fp32 on Intel, frozen: folded as constants and prepacked for the matmul kernels
+    (compiled under ``no_grad``, see ``_aot_compile``: else Inductor does not freeze).
     How its CPU matmuls run, measured on SmolLM2 on a 2-vCPU Intel (AMX) machine, each pair in one process,
     alternated (stop 33):
 
     - bf16/fp16: max-autotune over Inductor's CPU GEMM templates (AMX micro-kernels on frozen, prepacked
       weights) and ATen, per matmul: decode 85.3 tokens/s vs 64.5 for the same templates unfrozen.
-    - fp32, one row (``rows`` False: a batch-1 program): frozen, weights not prepacked (``cpp.weight_prepack``
-      off: ATen's MKL matmuls on the folded weights): 45.4 tokens/s, prefill 56.9 ms; oneDNN-prepacked
-      38.5 / 53.6 ms; the templates 46.4 / 84.6 ms (their prefill loses).
+    - fp32, one row (``rows`` False: a batch-1 program): not frozen, the weights embedded as they are and
+      ATen's MKL matmuls over them: 44.7 tokens/s, prefill 55.2 ms (frozen without prepacking 45.4 / 56.9);
+      oneDNN-prepacked 38.5 / 53.6 ms; the frozen templates 46.4 / 84.6 ms (their prefill loses).
     - fp32, ``rows`` (a program over several cache rows: ``--slots``, ``batch_size`` > 1): frozen and
       oneDNN-prepacked. A decode step over R rows: 26.5 ms at R=1, 35.3 ms at R=8, vs 22.7 / 51.5 ms for MKL on
       unpacked weights (MKL's fp32 GEMM at M >= 4 rows runs at half the bandwidth) and 22.2 / 42.8 ms for
@@ -114,7 +115,11 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
                 "max_autotune_report_choices_stats": False,
             })
         elif device_type == "cpu" and not rows:
-            opts["cpp.weight_prepack"] = False
+            # Not frozen: the weights embedded as they are, ATen's MKL matmuls over them. (Freezing with
+            # cpp.weight_prepack off measured the same, but that flag is read once per process, when Inductor
+            # first registers its freezing patterns: after it, a later compile in the process could not prepack,
+            # and the bench's slots artifact, built after the batch-1 one, came out unpacked.)
+            opts["freezing"] = False
     else:
         opts = {"aot_inductor.package_constants_in_so": False}
     if device_type == "cuda" and os.environ.get(EMBED_KERNELS_ENV, "1") != "0":
