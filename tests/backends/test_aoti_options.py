@@ -73,28 +73,50 @@ def test_cpu_vendor_is_read_from_the_machine():
     assert isinstance(aoti._cpu_vendor(), str)
 
 
-def _library_calls(path) -> set[str]:
-    """The ATen kernels a packed artifact's compiled library calls (``aoti_torch_cpu_<op>``)."""
+def _library_calls(path) -> dict[str, set[str]]:
+    """Model name -> the ATen kernels its compiled library calls (``aoti_torch_cpu_<op>``), of a packed artifact."""
     import io
     import re
     import zipfile
 
     with zipfile.ZipFile(path) as zf, zipfile.ZipFile(io.BytesIO(zf.read("programs/aoti.pt2"))) as pkg:
-        [lib] = [pkg.read(n) for n in pkg.namelist() if n.endswith(".so")]
-    return {m.decode() for m in re.findall(rb"aoti_torch_cpu_[a-z_]+", lib)}
+        return {n.split("/aotinductor/")[1].split("/")[0]: {m.decode() for m in re.findall(rb"aoti_torch_cpu_[a-z_]+",
+                                                                                              pkg.read(n))}
+                for n in pkg.namelist() if n.endswith(".so")}
 
 
 @pytest.mark.compile
 def test_a_slots_program_compiled_after_a_batch_one_program_in_one_process_is_prepacked(tmp_path, monkeypatch):
     """The bench builds the batch-1 artifact, then the slots one, in one process: the second must still get
-    oneDNN's prepacked matmuls (it came out unpacked while the first compile turned cpp.weight_prepack off)."""
+    oneDNN's prepacked matmuls (it came out unpacked while the first compile turned cpp.weight_prepack off). On
+    Intel fp32 the slots package also holds the program compiled as for one row, which serves calls of <= 2 token
+    rows with the same numbers."""
     import kvtrace
     from conftest import tiny_model
+    from kvtrace.backends.aoti_packed import ONE_ROW, ByRows
 
     monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")
     model = tiny_model("llama")
     one = kvtrace.export(model, tmp_path / "one.kvt", max_seq_len=32, backend="aoti-packed")
-    many = kvtrace.export(model, tmp_path / "many.kvt", max_seq_len=32, backend="aoti-packed", slots=2)
-    assert "aoti_torch_cpu_mm_out" in _library_calls(one)
+    many = kvtrace.export(model, tmp_path / "many.kvt", max_seq_len=32, backend="aoti-packed", slots=3)
+    assert _library_calls(one) == {"step": {"aoti_torch_cpu_mm_out", "aoti_torch_cpu__scaled_dot_product_flash_attention_for_cpu"}}
     calls = _library_calls(many)
-    assert "aoti_torch_cpu__linear_pointwise" in calls and "aoti_torch_cpu_mm_out" not in calls, calls
+    assert set(calls) == {"step", ONE_ROW}
+    assert "aoti_torch_cpu__linear_pointwise" in calls["step"] and "aoti_torch_cpu_mm_out" not in calls["step"]
+    assert "aoti_torch_cpu_mm_out" in calls[ONE_ROW] and "aoti_torch_cpu__linear_pointwise" not in calls[ONE_ROW]
+
+    art = kvtrace.load(many)
+    program = art._programs["decode"]
+    assert isinstance(program, ByRows) and art._programs["prefill"] is program
+    spec = art.manifest.programs["prefill"]
+    for rows in ([0], [0, 2], [0, 1, 2]):  # one, one (R x T = 2), many
+        state = art.cache_spec.allocate(torch.device("cpu"))
+        r = len(rows)
+        tokens = torch.tensor([[5, 6, 7]] * r)[:, :1 if r > 1 else 2].contiguous()  # [R, T]
+        t = tokens.shape[1]
+        pos = torch.arange(t).expand(r, t).contiguous()
+        args = (tokens, pos, *((torch.arange(t),) if spec.key_pos else ()), torch.tensor(rows))
+        got = program(*args, *state)
+        state2 = art.cache_spec.allocate(torch.device("cpu"))
+        other = program.many if tokens.numel() <= 2 else program.one
+        torch.testing.assert_close(got, other(*args, *state2), rtol=1e-4, atol=1e-4)

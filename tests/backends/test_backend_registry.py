@@ -125,12 +125,17 @@ def test_aoti_capabilities_match_what_compile_does(name, monkeypatch, tmp_path):
         def forward(self, x):
             return x + 1
 
-    ep = torch.export.export(One(), (torch.ones(2),))
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")
+    ep = torch.export.export(One(), (torch.ones(1, 2),))  # tokens of one row
     specs = {"prefill": "prefill spec", "decode": "decode spec"}
     compiled = b.compiled(specs)
     assert compiled == ({"step": "prefill spec"} if b.one_program else specs)
     assert b.compile({n: ep for n in compiled}, torch.float32) == {PACKAGE: b"pt2"}
     assert [c[0] for c in calls] == list(compiled)
+    rows = torch.export.export(One(), (torch.ones(2, 2),))  # over two rows: packed fp32 on Intel adds step_one
+    calls.clear()
+    b.compile({n: rows for n in compiled}, torch.float32)
+    assert [c[0] for c in calls] == list(compiled) + (["step_one"] if b.packs_weights else [])
     assert all(c[2] for c in calls)  # compiled with Inductor's caches off
     assert all(c[1]["aot_inductor.package_constants_in_so"] == b.packs_weights for c in calls)
     assert torch.compiler.config.force_disable_caches is False  # only while compiling

@@ -564,13 +564,17 @@ class AotiBackend(Backend):
 
         from kvtrace.capture.export import _example_args
 
-        def options(name: str, ep: torch.export.ExportedProgram) -> dict[str, Any]:
+        def options(name: str, ep: torch.export.ExportedProgram, rows: bool) -> dict[str, Any]:
             args = _example_args(ep)  # tokens first: where the program was captured; int8 state: an int8 cache
             return {**export_options(self.packs_weights, dtype, args[0].device.type,
-                                     int8_cache=any(a.dtype == torch.int8 for a in args), rows=_rows(ep)),
+                                     int8_cache=any(a.dtype == torch.int8 for a in args), rows=rows),
                     "aot_inductor.package": True, "aot_inductor.model_name_for_generated_files": name}
 
-        opts = {name: options(name, ep) for name, ep in eps.items()}
+        opts = {name: options(name, ep, _rows(ep)) for name, ep in eps.items()}
+        for name, (of, ep) in self.one_row_variants(eps).items():
+            one = options(name, ep, rows=False)
+            if {**one, "aot_inductor.model_name_for_generated_files": of} != opts[of]:  # compiled differently
+                eps, opts = {**eps, name: ep}, {**opts, name: one}
         with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
             device_types = {_example_args(ep)[0].device.type for ep in eps.values()}  # tokens: where captured
             if len(eps) > 1 and PARALLEL_COMPILE and (os.cpu_count() or 1) > 1 and device_types == {"cpu"}:
@@ -586,6 +590,12 @@ class AotiBackend(Backend):
             package_aoti(str(pkg), files)
             return {PACKAGE: pkg.read_bytes()}
 
+    def one_row_variants(self, eps: dict[str, torch.export.ExportedProgram]
+                         ) -> dict[str, tuple[str, torch.export.ExportedProgram]]:
+        """Extra library name -> (the program it is a variant of, that program): the same program compiled as
+        for one cache row, packaged beside it where its options differ (``AotiPackedBackend``). None here."""
+        return {}
+
     def members(self, programs: Iterable[str]) -> set[str]:
         return {PACKAGE}
 
@@ -595,16 +605,21 @@ class AotiBackend(Backend):
 
         device = device if device is not None else torch.device("cpu")
         compiled = self.compiled(manifest.programs)
-        libraries = pt2.libraries(f"{path}: {PACKAGE}", blobs[PACKAGE], set(compiled))
+        variants = {n: of for n in pt2.model_names(blobs[PACKAGE]) if (of := self.variant_of(n)) in compiled}
+        libraries = pt2.libraries(f"{path}: {PACKAGE}", blobs[PACKAGE], set(compiled) | set(variants))
         pt2.remove_stale_dirs()
         cache = manifest.cache_spec.allocate(device)  # one scratch cache for every probe
         loaded = {}
-        for name, program in compiled.items():
+        for name, program in [*compiled.items(), *((n, compiled[of]) for n, of in variants.items())]:
             if not self.packs_weights:
                 with _library_files(libraries[name], name) as so:
                     _check_constants(path, name, compiled_constants(so, str(device)), weights)
             loaded[name] = self._load_one(path, manifest, name, program, libraries[name], weights, device, cache)
         return self.serve(loaded, manifest)
+
+    def variant_of(self, name: str) -> str | None:
+        """The program a packaged library named ``name`` is a variant of (``one_row_variants``), else None."""
+        return None
 
     def _load_one(self, path: Path, manifest: Manifest, name: str, program: ProgramSpec, files: dict[str, bytes],
                   weights: dict[str, torch.Tensor], device: torch.device,

@@ -22,9 +22,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.spec.manifest import Manifest
     from kvtrace.spec.program import ProgramSpec
 
-__all__ = ["AOTI_PACKED", "MODEL", "AotiPackedBackend"]
+__all__ = ["AOTI_PACKED", "MODEL", "ONE_ROW", "AotiPackedBackend", "ByRows"]
 
 MODEL = "step"  # the one model of the package (its manifest signature's key too)
+# Where a program over several cache rows compiles differently from a one-row one (fp32 on Intel: frozen with
+# oneDNN-prepacked weights vs MKL over the embedded ones, ``aoti.inductor_options``), the package also holds
+# MODEL compiled as for one row, and calls of at most ONE_ROW_MAX token rows (R x T) run on it: a slots
+# artifact's decode step, SmolLM2 fp32, 2 threads: R=1 26.5 ms on MODEL vs 22.7 on the one-row library, R=8
+# 35.3 vs 51.5 (stop 33). The price: the weights twice in memory (SmolLM2 fp32: 652 + 539 MB of libraries).
+ONE_ROW = "step_one"
+ONE_ROW_MAX = 2
 T = TypeVar("T")
 
 
@@ -47,8 +54,31 @@ class AotiPackedBackend(AotiBackend):
             raise ArtifactError(f"{path}: an {self.name} artifact serves a T-symbolic prefill and a one-token decode "
                                 "with one program, but its manifest's program specs differ; re-export it")
 
+    def one_row_variants(self, eps: dict[str, torch.export.ExportedProgram]
+                         ) -> dict[str, tuple[str, torch.export.ExportedProgram]]:
+        return {ONE_ROW: (MODEL, eps[MODEL])}  # packaged only where its options differ (``AotiBackend.compile``)
+
+    def variant_of(self, name: str) -> str | None:
+        return MODEL if name == ONE_ROW else None
+
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
-        return {p: loaded[MODEL] for p in manifest.programs}
+        step = loaded[MODEL] if ONE_ROW not in loaded else ByRows(loaded[ONE_ROW], loaded[MODEL])
+        return {p: step for p in manifest.programs}
+
+
+class ByRows:
+    """``one`` for calls of at most ONE_ROW_MAX token rows (tokens [R, T], R x T), ``many`` for the rest: one
+    program compiled two ways, taking the same inputs (the same signature, probed alike at load)."""
+
+    def __init__(self, one: Program, many: Program):
+        self.one, self.many = one, many
+
+    def __call__(self, *flat: torch.Tensor) -> torch.Tensor:
+        tokens = flat[0]  # [R, T]
+        return (self.one if tokens.numel() <= ONE_ROW_MAX else self.many)(*flat)
+
+    def fresh(self) -> ByRows:
+        return ByRows(self.one.fresh(), self.many.fresh())
 
 
 AOTI_PACKED = AotiPackedBackend(

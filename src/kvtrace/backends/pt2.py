@@ -69,6 +69,16 @@ def libraries(what: str, blob: bytes, models: set[str]) -> dict[str, dict[str, b
     return files
 
 
+def model_names(blob: bytes) -> set[str]:
+    """The names of the models a package holds a library for (unchecked: ``libraries`` checks the package)."""
+    try:
+        names = zipfile.ZipFile(io.BytesIO(blob)).namelist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError):
+        return set()  # ``libraries`` says what is wrong with it
+    found = (_MODEL_FILE.fullmatch(n.split("/", 1)[1]) for n in names if "/" in n)
+    return {m.group(1) for m in found if m is not None and m.group(2).endswith(".so")}
+
+
 def remove_stale_dirs() -> None:
     """Temp dirs of loads killed before they cleaned up (kvtrace-aoti-<pid>-*, that pid gone, ours)."""
     for d in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*-*"):
