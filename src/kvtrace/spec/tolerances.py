@@ -31,7 +31,7 @@ Lossy-quantized programs on deep models have a third route, the **noise floor**.
 rounding steps: an ulp-level difference of a step's input (a compiled kernel summing a matmul in another
 order) flips a rounding now and then, the flipped value moves by a whole step, and over 30 layers the flips
 compound. Eager itself is that sensitive: the same eager reference, only with its linear layers summed in
-float64 (or split in two halves), is as far from itself as the compiled program is (SmolLM2-135M: int8 cache
+float64 (or split in two parts), is as far from itself as the compiled program is (SmolLM2-135M: int8 cache
 logits 0.59 / 0.85 over every prompt position, 0.58 on the last ones verify compares, vs the aoti program's
 0.44; 8da4w 5.5 vs the aoti program's 4.5 and the ATen kernel run eagerly, no compiler involved, 5.7). So verify measures that sensitivity in the same run (``tools.noise``: the reference re-run under
 ``PERTURBATIONS``, fed the same tokens) and takes, per compared tensor (the logits; each layer's K and V),

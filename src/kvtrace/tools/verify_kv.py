@@ -18,7 +18,7 @@ unquantized model (the HF model eager; for a GGUF, its dequantized weights) goes
 A group whose programs round to a step at run time (an int8 cache; int8 / int4 / 8da4w weights, whose kernels
 round activations to bf16, 8da4w's to int8 first) is also judged with its reference's noise floor (``noise_floor``):
 the reference decoder re-run under each of ``tools.noise.PERTURBATIONS`` (every linear layer summed in float64,
-then in two halves), teacher-forced like the candidates, gives per compared tensor how far the reference is
+then in two parts), teacher-forced like the candidates, gives per compared tensor how far the reference is
 from itself; a candidate passes a tensor within the tolerance plus ``NOISE_MULTIPLE`` times that (the third
 route of ``kvtrace.spec.tolerances``). Unquantized candidates and GGUF blocks computed in float32 (no rounding
 step: the float32 tolerance, exactly as before) never get a floor.
