@@ -91,7 +91,9 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
     - fp32, ``rows`` (a program over several cache rows: ``--slots``, ``batch_size`` > 1): frozen and
       oneDNN-prepacked. A decode step over R rows: 26.5 ms at R=1, 35.3 ms at R=8, vs 22.7 / 51.5 ms for MKL on
       unpacked weights (MKL's fp32 GEMM at M >= 4 rows runs at half the bandwidth) and 22.2 / 42.8 ms for
-      the templates: 8 conversations decode 1.5x faster than without packing, one 15 % slower.
+      the templates: 8 conversations decode 1.5x faster than without packing, one 15 % slower, so aoti-packed
+      packages such a program also compiled as for one row and runs its one-row calls on that
+      (``aoti_packed.ONE_ROW``).
     - fp32 on AMD CPUs (``_cpu_vendor()``), whatever the rows: the templates, where MKL's fp32 GEMV streams
       ~11-13 GB/s of a 36 GB/s machine (the 49152x576 head: 10.4 ms vs the template's 3.6 ms): decode
       54.7-61.9 tokens/s vs `aoti` 23.1-24.6 (measured unfrozen, stop 2x; frozen unmeasured on AMD).

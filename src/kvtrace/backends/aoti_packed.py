@@ -1,6 +1,8 @@
 """Backend "aoti-packed": one AOTInductor program, T symbolic, serving prefill and decode, its weights
-frozen into the library and prepacked for the CPU matmul kernels (bf16/fp16: also max-autotuned over
-Inductor's GEMM templates; see ``aoti.inductor_options``). The artifact's weights.safetensors is empty.
+inside the library, frozen and prepacked for the CPU matmul kernels where that is faster (bf16/fp16: also
+max-autotuned over Inductor's GEMM templates; see ``aoti.inductor_options``), and for a program over several
+rows on Intel fp32 the same program compiled as for one row beside it (``ONE_ROW``). The artifact's
+weights.safetensors is empty.
 
 Only for decoders whose programs are exactly prefill and decode, agreeing on their inputs, key_pos and
 slots (one signature serves both); checked at export and again at load.
