@@ -84,7 +84,8 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
     alternated (stop 33):
 
     - bf16/fp16: max-autotune over Inductor's CPU GEMM templates (AMX micro-kernels on frozen, prepacked
-      weights) and ATen, per matmul: decode 85.3 tokens/s vs 64.5 for the same templates unfrozen.
+      weights) and ATen, per matmul: decode 85.3 tokens/s vs 55.2 for the same templates unfrozen (62.6-64.5
+      unfrozen with the originals' copies pruned by hand: two alternated pairs).
     - fp32, one row (``rows`` False: a batch-1 program): not frozen, the weights embedded as they are and
       ATen's MKL matmuls over them: 44.7 tokens/s, prefill 55.2 ms (frozen without prepacking 45.4 / 56.9);
       oneDNN-prepacked 38.5 / 53.6 ms; the frozen templates 46.4 / 84.6 ms (their prefill loses).
