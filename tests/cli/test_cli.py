@@ -211,6 +211,19 @@ def test_verify_command_passes_and_writes_json(hf_dir, tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
+def test_verify_refuses_an_artifact_of_another_dtype_than_the_reference(hf_dir, tmp_path, capsys):
+    """A bf16 artifact verified with the default --dtype float32 used to FAIL at float32's tolerance, unexplained."""
+    import kvtrace
+
+    art = kvtrace.export(str(hf_dir), tmp_path / "bf16.kvt", max_seq_len=32, dtype="bfloat16")
+    code = main(["verify", str(hf_dir), "--against", "", "--artifact", str(art), "--steps", "1", "--raw",
+                 "--prompt", "hello world", "--max-seq-len", "32"])
+    err = capsys.readouterr().err
+    assert code == 2 and "holds a bfloat16 model, but the reference runs in float32; pass --dtype bfloat16" in err
+    assert main(["verify", str(hf_dir), "--against", "", "--artifact", str(art), "--steps", "1", "--raw",
+                 "--prompt", "hello world", "--max-seq-len", "32", "--dtype", "bfloat16"]) == 0, capsys.readouterr()
+
+
 @pytest.mark.parametrize("fp32_reference", [True, False])
 def test_verify_bf16_uses_an_fp32_reference_unless_told_not_to(fp32_reference, hf_dir, tmp_path, capsys):
     out = tmp_path / "report.json"

@@ -554,9 +554,13 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
             try:
                 art = load(f, device=device)  # a slots artifact: its last slot, driven like a Session
                 session = art.slot_session() if art.manifest.programs["prefill"].slots else art.session()
-                cands.append(SessionRunner(session, Path(f).name))
             except Exception as e:
                 cands.append(Unavailable(Path(f).name, f"loading {f} {_describe(e)}"))
+                continue
+            if art.cache_spec.dtype != args.dtype:  # else a bf16 artifact FAILs at float32's tolerance, unexplained
+                raise UsageError(f"--artifact {f} holds a {art.cache_spec.dtype} model, but the reference runs in "
+                                 f"{args.dtype}; pass --dtype {art.cache_spec.dtype}")
+            cands.append(SessionRunner(session, Path(f).name))
         with step(f"verifying {len(cands)} candidate(s) on {len(prompts)} prompts x (prefill + {args.steps} steps)"):
             fp32 = None
             if dtype != torch.float32 and getattr(args, "fp32_reference", True):
