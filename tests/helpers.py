@@ -209,3 +209,12 @@ def elf_sections(so: bytes) -> dict[str, int]:
         return so[names_at + off: so.index(b"\0", names_at + off)].decode()
 
     return {name(h[0]): h[5] for h in headers if h[0]}
+
+
+def package_libraries(path) -> dict[str, bytes]:
+    """Model name -> its compiled library (.so bytes), of an AOTInductor artifact's package (programs/aoti.pt2)."""
+    import io
+    import zipfile
+
+    with zipfile.ZipFile(path) as zf, zipfile.ZipFile(io.BytesIO(zf.read("programs/aoti.pt2"))) as pkg:
+        return {n.split("/aotinductor/")[1].split("/")[0]: pkg.read(n) for n in pkg.namelist() if n.endswith(".so")}

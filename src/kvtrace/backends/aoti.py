@@ -34,7 +34,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvtrace._errors import ArtifactError, CaptureError
 from kvtrace.backends import pt2
@@ -574,10 +574,10 @@ class AotiBackend(Backend):
                     "aot_inductor.package": True, "aot_inductor.model_name_for_generated_files": name}
 
         opts = {name: options(name, ep, _rows(ep)) for name, ep in eps.items()}
-        for name, (of, ep) in self.one_row_variants(eps).items():
-            one = options(name, ep, rows=False)
+        for name, of in self.one_row_variants.items():
+            one = options(name, eps[of], rows=False)
             if {**one, "aot_inductor.model_name_for_generated_files": of} != opts[of]:  # compiled differently
-                eps, opts = {**eps, name: ep}, {**opts, name: one}
+                eps, opts = {**eps, name: eps[of]}, {**opts, name: one}
         with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
             device_types = {_example_args(ep)[0].device.type for ep in eps.values()}  # tokens: where captured
             if len(eps) > 1 and PARALLEL_COMPILE and (os.cpu_count() or 1) > 1 and device_types == {"cpu"}:
@@ -593,11 +593,9 @@ class AotiBackend(Backend):
             package_aoti(str(pkg), files)
             return {PACKAGE: pkg.read_bytes()}
 
-    def one_row_variants(self, eps: dict[str, torch.export.ExportedProgram]
-                         ) -> dict[str, tuple[str, torch.export.ExportedProgram]]:
-        """Extra library name -> (the program it is a variant of, that program): the same program compiled as
-        for one cache row, packaged beside it where its options differ (``AotiPackedBackend``). None here."""
-        return {}
+    # Extra library name -> the compiled program it is a variant of: that program compiled as for one cache row,
+    # packaged beside it where its options differ, and loaded where the package holds it (``AotiPackedBackend``).
+    one_row_variants: ClassVar[Mapping[str, str]] = {}
 
     def members(self, programs: Iterable[str]) -> set[str]:
         return {PACKAGE}
@@ -608,8 +606,9 @@ class AotiBackend(Backend):
 
         device = device if device is not None else torch.device("cpu")
         compiled = self.compiled(manifest.programs)
-        variants = {n: of for n in pt2.model_names(blobs[PACKAGE]) if (of := self.variant_of(n)) in compiled}
-        libraries = pt2.libraries(f"{path}: {PACKAGE}", blobs[PACKAGE], set(compiled) | set(variants))
+        variants = {n: of for n, of in self.one_row_variants.items() if of in compiled}
+        libraries = pt2.libraries(f"{path}: {PACKAGE}", blobs[PACKAGE], set(compiled), frozenset(variants))
+        variants = {n: of for n, of in variants.items() if n in libraries}  # those this package holds
         pt2.remove_stale_dirs()
         cache = manifest.cache_spec.allocate(device)  # one scratch cache for every probe
         loaded = {}
@@ -619,10 +618,6 @@ class AotiBackend(Backend):
                     _check_constants(path, name, compiled_constants(so, str(device)), weights)
             loaded[name] = self._load_one(path, manifest, name, program, libraries[name], weights, device, cache)
         return self.serve(loaded, manifest)
-
-    def variant_of(self, name: str) -> str | None:
-        """The program a packaged library named ``name`` is a variant of (``one_row_variants``), else None."""
-        return None
 
     def _load_one(self, path: Path, manifest: Manifest, name: str, program: ProgramSpec, files: dict[str, bytes],
                   weights: dict[str, torch.Tensor], device: torch.device,

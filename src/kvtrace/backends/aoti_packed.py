@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from kvtrace._errors import ArtifactError, UsageError
 from kvtrace.backends.aoti import AotiBackend
@@ -56,12 +56,7 @@ class AotiPackedBackend(AotiBackend):
             raise ArtifactError(f"{path}: an {self.name} artifact serves a T-symbolic prefill and a one-token decode "
                                 "with one program, but its manifest's program specs differ; re-export it")
 
-    def one_row_variants(self, eps: dict[str, torch.export.ExportedProgram]
-                         ) -> dict[str, tuple[str, torch.export.ExportedProgram]]:
-        return {ONE_ROW: (MODEL, eps[MODEL])}  # packaged only where its options differ (``AotiBackend.compile``)
-
-    def variant_of(self, name: str) -> str | None:
-        return MODEL if name == ONE_ROW else None
+    one_row_variants: ClassVar[Mapping[str, str]] = {ONE_ROW: MODEL}  # packaged where its options differ
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         step = loaded[MODEL] if ONE_ROW not in loaded else ByRows(loaded[ONE_ROW], loaded[MODEL])

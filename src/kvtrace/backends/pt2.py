@@ -30,9 +30,11 @@ _MODEL_FILE = re.compile(r"data/aotinductor/([A-Za-z_][A-Za-z0-9_]*)/([A-Za-z0-9
 _NEVER = ("weights_config.json", "custom_objs_config.json")
 
 
-def libraries(what: str, blob: bytes, models: set[str]) -> dict[str, dict[str, bytes]]:
+def libraries(what: str, blob: bytes, models: set[str], optional: frozenset[str] = frozenset()
+              ) -> dict[str, dict[str, bytes]]:
     """Check the package's member list; model name -> {".so": library, ".json": extern kernel nodes (if
-    any)}. ``what`` names the package in messages ("<artifact>: programs/aoti.pt2")."""
+    any)} for every one of ``models`` and those of ``optional`` the package holds. ``what`` names the package
+    in messages ("<artifact>: programs/aoti.pt2")."""
     from kvtrace.spec.manifest import clip, short
 
     try:
@@ -56,7 +58,7 @@ def libraries(what: str, blob: bytes, models: set[str]) -> dict[str, dict[str, b
                 f"{what} holds {short(info.filename)}, which kvtrace never writes (torch's loader could unpickle or "
                 "build it); refusing to load it. Re-export the artifact with kvtrace")
         model, fname = m.group(1), m.group(2)
-        if model not in models:
+        if model not in models and model not in optional:
             raise ArtifactError(f"{what} holds a model {model!r}; the manifest's programs are {sorted(models)}")
         if ext == ".so" or (ext == ".json" and fname.endswith(".wrapper.json")):
             key = ".so" if ext == ".so" else ".json"
@@ -67,16 +69,6 @@ def libraries(what: str, blob: bytes, models: set[str]) -> dict[str, dict[str, b
     if lacking:
         raise ArtifactError(f"{what} has no compiled library for {lacking}; re-export the artifact")
     return files
-
-
-def model_names(blob: bytes) -> set[str]:
-    """The names of the models a package holds a library for (unchecked: ``libraries`` checks the package)."""
-    try:
-        names = zipfile.ZipFile(io.BytesIO(blob)).namelist()
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError):
-        return set()  # ``libraries`` says what is wrong with it
-    found = (_MODEL_FILE.fullmatch(n.split("/", 1)[1]) for n in names if "/" in n)
-    return {m.group(1) for m in found if m is not None and m.group(2).endswith(".so")}
 
 
 def remove_stale_dirs() -> None:
