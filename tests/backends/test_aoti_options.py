@@ -1,9 +1,13 @@
 """What AOTInductor compiles artifacts with (``backends/aoti.inductor_options``): a packed CPU program gets
 Inductor's CPU GEMM templates in bf16/fp16 everywhere and in fp32 on AMD CPUs, where they beat MKL's fp32
 matmuls (measured in the function's docstring); on Intel fp32 freezes, its weights prepacked for oneDNN only
-in a program over several cache rows. And packed programs really freeze (compiled under no_grad)."""
+in a program over several cache rows; a packed program over quantized weights is frozen over the templates
+on every CPU. And packed programs really freeze (compiled under no_grad), dropping each original weight the
+templates prepacked (buffers included)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -36,6 +40,65 @@ def test_intel_fp32_freezes_only_programs_over_several_rows(vendor, dtype, rows,
     assert opts["freezing"] is frozen and opts["aot_inductor.package_constants_in_so"] is True
     assert "cpp.weight_prepack" not in opts  # read once per process by Inductor: never set per program
     assert "freezing" not in aoti.inductor_options(packed=False, dtype=dtype, rows=rows)
+
+
+@pytest.mark.parametrize("vendor", ["GenuineIntel", "AuthenticAMD", ""])
+@pytest.mark.parametrize("rows", [False, True])
+def test_packed_programs_over_quantized_weights_are_frozen_over_the_templates_on_every_cpu(vendor, rows, monkeypatch):
+    """int8 on an Intel AMX machine: decode 93.3 vs 74.6 tokens/s unfrozen, prefill 19 vs 71 ms (stop 35)."""
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: vendor)
+    opts = aoti.inductor_options(packed=True, dtype=torch.float32, rows=rows, quantized=True)
+    assert opts["freezing"] is True and opts["max_autotune"] is True
+    assert opts["max_autotune_gemm_backends"] == "CPP,ATEN"
+    assert "max_autotune" not in aoti.inductor_options(packed=False, dtype=torch.float32, quantized=True)
+    assert "max_autotune" not in aoti.inductor_options(packed=True, dtype=torch.float32, device_type="cuda",
+                                                       quantized=True)
+
+
+class _Q8(torch.nn.Module):
+    """One int8 weight-only linear in a submodule (a buffer with a dotted name, as in kvtrace's quantized decoders)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from kvtrace.models import quant as q
+
+        torch.manual_seed(0)
+        self.inner = torch.nn.Module()
+        self.inner.lin = q.Int8Linear(*q.quantize_int8(torch.randn(64, 64)), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.lin(x)
+
+
+def test_woq_program_finds_torchs_weight_only_matmuls():
+    x = torch.randn(1, 4, 64)
+    assert aoti.woq_program(torch.export.export(_Q8().eval(), (x,)))
+    assert not aoti.woq_program(torch.export.export(_Lin().eval(), (torch.randn(1, 3, 16),)))
+
+
+@pytest.mark.compile
+def test_a_frozen_template_program_keeps_no_original_beside_its_prepacked_weight(tmp_path, monkeypatch):
+    """The templates drop a prepacked weight's original only when a get_attr targets the constant by its own name;
+    a buffer's dotted target never did (SmolLM2 int8: 274 MB of library for 128 MB of weights). With
+    ``_flatten_constant_names`` the int8 weight is compiled in once, prepacked; the answer is eager's to within a
+    bf16 rounding (both compute in bf16; the template rounds its fp32 sums differently)."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")
+    model = _Q8().eval()
+    x = torch.randn(1, 4, 64)
+    ep = torch.export.export(model, (x,))
+    opts = {**aoti.export_options(True, torch.float32, quantized=True), "aot_inductor.output_path": str(tmp_path / "m.so")}
+    counters.clear()
+    so = aoti._aot_compile(ep, opts)
+    assert counters["inductor"]["select_algorithm_weight_prune"] == 1
+    assert [n.target for n in ep.graph.nodes if n.op == "get_attr"] == []  # the caller's program is untouched
+    assert "inner.lin.weight" in ep.state_dict
+    so = Path(so if isinstance(so, str) else next(f for f in so if f.endswith(".so")))  # a path, or the files
+    lib = so.read_bytes()
+    assert b"inner_lin_weight" not in lib and b"inner_lin_scale" in lib
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(so), 1)
+    torch.testing.assert_close(runner.run([x])[0], model(x), rtol=8e-3, atol=1e-3)
 
 
 class _Lin(torch.nn.Module):

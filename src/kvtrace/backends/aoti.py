@@ -73,7 +73,7 @@ EXPORT_NO_CACHE = {"force_disable_caches": True}
 
 
 def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, device_type: str = "cpu",
-                     rows: bool = False) -> dict[str, Any]:
+                     rows: bool = False, quantized: bool = False) -> dict[str, Any]:
     """Inductor settings kvtrace compiles with (one place, reported by bench).
 
     Default: weights stay outside the .so; they are loaded from the model / artifact once.
@@ -99,6 +99,14 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
       ~11-13 GB/s of a 36 GB/s machine (the 49152x576 head: 10.4 ms vs the template's 3.6 ms): decode
       54.7-61.9 tokens/s vs `aoti` 23.1-24.6 (measured unfrozen, stop 2x; frozen unmeasured on AMD).
 
+    - quantized weights (``quantized``: the program calls torch's CPU weight-only matmuls, ``woq_program``),
+      whatever the dtype: frozen and max-autotuned like bf16, so ``_weight_int8pack_mm`` (int8, and the int8
+      head of int4 / 8da4w) runs on the templates' AMX / VNNI micro-kernels over prepacked int8 weights. SmolLM2
+      on the same Intel machine, fresh processes, alternated (stop 35), decode tokens/s / prefill ms of 37
+      tokens: int8 93.3 / 19.0 vs 74.6 / 71.4 unfrozen; int4 129.1 / 60.3 vs 112.1 / 61.3 (its int4 matmuls
+      stay ``quantized.int4mm_packed_weight_cpu``: Inductor's int4 template, over the aten op, measured
+      109.2 / 78.1). fp32 ``aoti`` in that run: 44.2 / 57.7.
+
     ``dtype`` None: float32. ``device_type`` "cuda": the kernels are embedded in the library (packed CUDA
     programs freeze only: no GPU autotuning is set up, and none is measured).
     """
@@ -110,7 +118,7 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
             "aot_inductor.package_constants_in_so": True,
         }
         low_precision = dtype in (torch.bfloat16, torch.float16)
-        if device_type == "cpu" and (low_precision or _cpu_vendor() == "AuthenticAMD"):
+        if device_type == "cpu" and (low_precision or quantized or _cpu_vendor() == "AuthenticAMD"):
             opts.update({
                 "max_autotune": True,
                 "max_autotune_gemm_backends": "CPP,ATEN",
@@ -156,10 +164,10 @@ def _embed_kernels_option() -> str:
 
 
 def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu", int8_cache: bool = False,
-                   rows: bool = False) -> dict[str, Any]:
+                   rows: bool = False, quantized: bool = False) -> dict[str, Any]:
     """What an artifact's programs are compiled with: ``inductor_options`` without Inductor's caches.
 
-    ``rows``: the program runs over several cache rows (``inductor_options``).
+    ``rows``: the program runs over several cache rows; ``quantized``: over quantized weights (``inductor_options``).
     ``int8_cache`` (the program takes int8 state: an int8 KV cache) adds ``emulate_precision_casts``: the
     cache stores each scale rounded to its dtype and eager divides by that rounded scale, but Inductor, fusing
     the quantize, divides by the unrounded one unless it emulates the cast. Measured on a 4-layer tiny Llama
@@ -173,7 +181,7 @@ def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu", i
     # time on it (SmolLM2 decode: 62 -> 37 s with other jobs on the machine) and decode is as fast (8.4 vs 8.5
     # tokens/s, one thread, the same run); the kernels keep Inductor's -O3.
     # (CPU programs; a CUDA program's wrapper keeps Inductor's default, unmeasured on a GPU.)
-    opts = {**inductor_options(packed, dtype, device_type, rows), **EXPORT_NO_CACHE, "aot_inductor.check_lowerbound": False}
+    opts = {**inductor_options(packed, dtype, device_type, rows, quantized), **EXPORT_NO_CACHE, "aot_inductor.check_lowerbound": False}
     if device_type == "cpu":
         opts["aot_inductor.compile_wrapper_opt_level"] = "O0"
     if int8_cache:
@@ -208,8 +216,41 @@ def _aot_compile(ep: torch.export.ExportedProgram, options: dict[str, Any]) -> l
 
     from kvtrace.capture.export import _example_args
 
+    gm = ep.module()
+    if options.get("freezing") and options.get("aot_inductor.package_constants_in_so"):
+        _flatten_constant_names(gm)
     with torch.no_grad():
-        return torch._inductor.aot_compile(ep.module(), _example_args(ep), options=options)
+        return torch._inductor.aot_compile(gm, _example_args(ep), options=options)
+
+
+def _flatten_constant_names(gm: torch.fx.GraphModule) -> None:
+    """Every ``get_attr`` of a submodule's tensor (``layers.0.wqkv.weight``) re-pointed at the same tensor held by
+    ``gm`` itself under the name Inductor gives it (``layers_0_wqkv_weight``), in place.
+
+    Why: a frozen program's GEMM templates prepack each constant weight into a new constant and then drop the
+    original (``cpp_gemm_template.prune_tensors``) only if a ``get_attr`` node's target equals the constant's
+    name. Parameters are renamed by freezing and match; buffers keep their dotted targets and never do, so
+    the library kept every original beside its packed copy: the quantized modules' int8 / int4 weights are
+    buffers, and SmolLM2 int8 aoti-packed (templates) came out at 274 MB of library for 128 MB of weights,
+    with this 147 MB. Only for programs whose weights are embedded (the names then stay inside the library;
+    an unembedded one's constants are matched to the artifact's weights by their dotted names)."""
+    import torch
+
+    for node in gm.graph.find_nodes(op="get_attr"):
+        target = str(node.target)
+        if "." not in target:
+            continue
+        flat = target.replace(".", "_")
+        owner, _, leaf = target.rpartition(".")
+        value = getattr(gm.get_submodule(owner), leaf)
+        if hasattr(gm, flat) and getattr(gm, flat) is not value:
+            raise CaptureError(f"cannot flatten constant {target!r}: the program already has another {flat!r}")
+        if isinstance(value, torch.nn.Parameter):
+            gm.register_parameter(flat, value)
+        else:
+            gm.register_buffer(flat, value)
+        node.target = flat
+    gm.recompile()
 
 
 def probe_vec_isa() -> None:
@@ -503,6 +544,16 @@ def _rows(ep: torch.export.ExportedProgram) -> bool:
     return not (isinstance(b, int) and b == 1)
 
 
+# torch's CPU weight-only-quantized matmuls (kvtrace.models.quant's Int8Linear, Int4Linear, the int8 head)
+WOQ_OPS = ("aten._weight_int8pack_mm", "aten._weight_int4pack_mm_for_cpu", "quantized.int4mm_packed_weight_cpu")
+
+
+def woq_program(ep: torch.export.ExportedProgram) -> bool:
+    """Whether ``ep`` calls one of torch's CPU weight-only-quantized matmuls (``WOQ_OPS``)."""
+    return any(n.op == "call_function" and any(str(n.target).startswith(op + ".") for op in WOQ_OPS)
+               for n in ep.graph.nodes)
+
+
 def _same_call(a: ProgramSpec, b: ProgramSpec) -> bool:
     """Whether two programs take the same inputs the same way (all but their token count): one library can run both."""
     return (a.method, a.inputs, a.key_pos, a.slots) == (b.method, b.inputs, b.key_pos, b.slots)
@@ -570,7 +621,8 @@ class AotiBackend(Backend):
         def options(name: str, ep: torch.export.ExportedProgram, rows: bool) -> dict[str, Any]:
             args = _example_args(ep)  # tokens first: where the program was captured; int8 state: an int8 cache
             return {**export_options(self.packs_weights, dtype, args[0].device.type,
-                                     int8_cache=any(a.dtype == torch.int8 for a in args), rows=rows),
+                                     int8_cache=any(a.dtype == torch.int8 for a in args), rows=rows,
+                                     quantized=woq_program(ep)),
                     "aot_inductor.package": True, "aot_inductor.model_name_for_generated_files": name}
 
         opts = {name: options(name, ep, _rows(ep)) for name, ep in eps.items()}
