@@ -5,7 +5,11 @@ tied embeddings, llama3 RoPE) is exported once with AOTInductor for the device, 
 
   env        torch / transformers / triton / GPU, and the bandwidth of a large device-to-device copy (bytes read +
              written), measured in this run: the bound every bench line is put against;
-  export     kvtrace.export(..., device=cuda, backend=aoti), then kvtrace.load on the device;
+  smoke      tiny probes, each in its own process (bench/gpu_smoke.py): torch's own AOTInductor compile + load for
+             the device (weights in the .so, and handed in), kvtrace aoti and aoti-packed; ``--backend auto`` picks
+             the 1B run's backend from them (the first run, torch 2.11 on the H200, died of SIGSEGV loading aoti);
+  export     kvtrace.export(..., device=cuda, backend=...), loaded first in a child process (a crash there tries
+             the next of aoti, aoti-packed, exported), then kvtrace.load on the device;
   verify     logits and every cache layer vs eager HF on the same device, step by step (teacher forcing), bf16
              judged as `kvtrace verify` judges it (vs eager bf16, or no further from an fp32 run than eager is);
   graphs     decode replayed from CUDA graphs vs the same decode run without graphs (same bucketed key_pos):
@@ -34,6 +38,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +67,7 @@ class Log:
     def __init__(self, out: Path | None):
         self.out = out
         self.failed: list[str] = []
+        self.last_error: Exception | None = None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "gpu.jsonl").write_text("")
@@ -78,9 +84,11 @@ class Log:
     @contextlib.contextmanager
     def phase(self, name: str, **extra: Any) -> Iterator[None]:
         """Run a phase; an exception becomes one error line (the traceback goes to OUT/trace.txt)."""
+        self.last_error = None
         try:
             yield
         except Exception as e:
+            self.last_error = e
             self.failed.append(name)
             self.emit(phase=name, **extra, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0][:400] if str(e).strip() else ''}")
             tb = traceback.format_exc()
@@ -157,7 +165,10 @@ def export(args: argparse.Namespace, model: torch.nn.Module, device: torch.devic
         kvtrace.export(model, path, max_seq_len=args.max_seq_len, dtype="bfloat16", backend=backend,
                        prefill_logits="last", device=device)
         export_s, t1 = time.perf_counter() - t0, time.perf_counter()
+        load_in_child(path, device)
         art = kvtrace.load(path, device=device)
+    except LoadDied:
+        raise
     except Exception as e:
         text = f"{type(e).__name__}: {e}"
         if device.type != "cuda" or backend == "exported" or re.search(
@@ -170,11 +181,42 @@ def export(args: argparse.Namespace, model: torch.nn.Module, device: torch.devic
         kvtrace.export(model, path, max_seq_len=args.max_seq_len, dtype="bfloat16", backend=backend,
                        prefill_logits="last", device=device)
         export_s, t1 = time.perf_counter() - t0, time.perf_counter()
+        load_in_child(path, device)
         art = kvtrace.load(path, device=device)
     log.emit(phase="export", backend=backend, seconds=round(export_s, 1), load_s=round(time.perf_counter() - t1, 1),
              artifact_mib=round(path.stat().st_size / 2**20, 1), manifest_device=art.manifest.device,
              kernels_embedded=embedded, max_seq_len=args.max_seq_len, programs=sorted(art.manifest.programs))
     return art
+
+
+class LoadDied(RuntimeError):
+    """Loading an artifact killed the child process that tried it (a signal, e.g. SIGSEGV in torch's runner)."""
+
+
+_LOAD_CHILD = """
+import sys, torch, kvtrace
+art = kvtrace.load(sys.argv[1], device=torch.device(sys.argv[2]))
+s = art.session()
+s.prefill(torch.arange(5, 12).unsqueeze(0))
+print("loaded", art.manifest.backend, s.position)
+"""
+
+
+def load_in_child(path: Path, device: torch.device, timeout_s: float = 300.0) -> None:
+    """Load the artifact and run one prefill in a child process first: a segfault there (seen on the H200 with
+    torch 2.11, stop 36) ends that child, not this run, which then tries the next backend. Raises LoadDied with the
+    child's own last lines (faulthandler's stack) when it dies of a signal, RuntimeError when it exits non-zero."""
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.run([sys.executable, "-c", _LOAD_CHILD, str(path), str(device)], env=env, capture_output=True,
+                          text=True, timeout=timeout_s)
+    if proc.returncode == 0:
+        return
+    from gpu_smoke import _tail
+
+    text = _tail(proc.stdout + proc.stderr)
+    if proc.returncode < 0:
+        raise LoadDied(f"loading {path.name} on {device} in a child process died of signal {-proc.returncode}: {text}")
+    raise RuntimeError(f"loading {path.name} on {device} in a child process failed (exit {proc.returncode}): {text}")
 
 
 def verify(args: argparse.Namespace, model: torch.nn.Module, art: Any, graphs: bool, log: Log) -> bool:
@@ -304,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's; 16 for the 1B)")
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for gpu.jsonl, verify-*.json, trace.txt "
                    "(default $OUT)")
-    p.add_argument("--backend", default="aoti", choices=("aoti", "exported"))
+    p.add_argument("--backend", default="auto", choices=("auto", "aoti", "aoti-packed", "exported"),
+                   help="auto (default): the first of aoti, aoti-packed whose tiny smoke probe loads, else exported; "
+                   "whichever is chosen, should loading its 1B artifact kill a child process, the next one is tried")
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=37)
     p.add_argument("--new-tokens", type=int, default=128)
@@ -315,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                    "cuda, default on cpu)")
     p.add_argument("--budget-s", type=float, default=480.0,
                    help="skip torch.compile HF when less than 150 s of this budget is left")
-    p.add_argument("--skip", default="", help="comma list of phases to skip: verify,graphs,hf-eager,hf-compile")
+    p.add_argument("--skip", default="", help="comma list of phases to skip: smoke,verify,graphs,hf-eager,hf-compile")
     args = p.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     device = torch.device(args.device)
@@ -330,6 +374,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with log.phase("env"):
             bw = env(args, device, log)
+        smoke: list[dict[str, Any]] = []
+        if "smoke" not in skip:
+            with log.phase("smoke"):
+                from gpu_smoke import run_all
+
+                for rec in run_all(args.device if device.type == "cpu" else str(device)):
+                    smoke.append(log.emit(phase="smoke", **rec))
+        if args.backend == "auto":
+            from gpu_smoke import pick_backend
+
+            args.backend = pick_backend(smoke) if smoke else "aoti"
+            log.emit(phase="smoke", backend_chosen=args.backend,
+                     why="from the probes" if smoke else "no probes ran (--skip smoke): aoti")
         with log.phase("model"):
             t0 = time.perf_counter()
             model = build_model(args.tiny, device, args.layers)
@@ -338,8 +395,16 @@ def main(argv: list[str] | None = None) -> int:
                      layers=model.config.num_hidden_layers)
         if model is None:
             return 1
-        with log.phase("export"):
-            art = export(args, model, device, workdir, log, args.backend)
+        chain = ["aoti", "aoti-packed", "exported"]
+        for backend in chain[chain.index(args.backend):]:
+            with log.phase("export", backend=backend):
+                art = export(args, model, device, workdir, log, backend)
+            if art is not None:
+                args.backend = backend
+                break
+            if not isinstance(log.last_error, LoadDied):
+                break  # an error, not a crash: the next backend would not say more
+            log.emit(phase="export", fallback=f"{backend} artifact killed the process loading it: the next backend")
         if art is not None and "verify" not in skip:
             with log.phase("verify", candidate=args.backend):
                 passed["verify"] = verify(args, model, art, graphs=False, log=log)

@@ -19,7 +19,7 @@ def dry_run(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess, l
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTHONWARNINGS": "ignore", "KVTRACE_CACHE": str(tmp_path)}
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu.py"), "--device", "cpu", "--tiny", "--out", str(out),
                            "--runs", "1", "--new-tokens", "6", "--steps", "3", "--graph-steps", "66",
-                           "--skip", "hf-compile", *extra], capture_output=True, text=True, env=env, timeout=1200)
+                           "--skip", "hf-compile,smoke", *extra], capture_output=True, text=True, env=env, timeout=1200)
     lines = [json.loads(x) for x in (out / "gpu.jsonl").read_text().splitlines()]
     assert [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")] == lines  # stdout = the file
     return proc, lines
@@ -51,7 +51,59 @@ def test_gpu_script_dry_run_on_cpu(tmp_path):
 @pytest.mark.compile
 def test_gpu_script_dry_run_on_cpu_with_aoti(tmp_path):
     """The backend the GPU run uses (aoti), compiled for the CPU: the same phases pass."""
-    proc, lines = dry_run(tmp_path, "--backend", "aoti", "--skip", "hf-compile,hf-eager")
+    proc, lines = dry_run(tmp_path, "--backend", "aoti", "--skip", "hf-compile,hf-eager,smoke")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not any("error" in rec for rec in lines)
     assert lines[-1]["phase"] == "summary" and all(lines[-1]["passed"].values())
+
+
+def _bench_module(name: str):
+    import importlib
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+def test_smoke_picks_the_first_backend_that_loaded():
+    pick = _bench_module("gpu_smoke").pick_backend
+    ok = lambda *names: [{"probe": n, "ok": True} for n in names]  # noqa: E731
+    assert pick(ok("torch-packaged", "kvtrace-aoti", "kvtrace-aoti-packed")) == "aoti"
+    assert pick([*ok("kvtrace-aoti-packed"), {"probe": "kvtrace-aoti", "ok": False, "signal": 11}]) == "aoti-packed"
+    assert pick([{"probe": "kvtrace-aoti", "ok": False}, {"probe": "kvtrace-aoti-packed", "ok": False}]) == "exported"
+
+
+def test_a_load_that_segfaults_in_the_child_is_reported_not_fatal(tmp_path, monkeypatch):
+    """The H200 run died of SIGSEGV loading the aoti artifact; now the load runs in a child first, and its death
+    is a LoadDied naming the signal and showing faulthandler's stack, in a process that goes on."""
+    gpu = _bench_module("gpu")
+    monkeypatch.setattr(gpu, "_LOAD_CHILD", "import ctypes; ctypes.string_at(0)")  # a real SIGSEGV
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "src"))
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        with pytest.raises(gpu.LoadDied, match=r"died of signal 11: Current thread"):
+            gpu.load_in_child(tmp_path / "x.kvt", gpu.torch.device("cpu"))
+        monkeypatch.setattr(gpu, "_LOAD_CHILD", "raise SystemExit('no such artifact')")
+        with pytest.raises(RuntimeError, match=r"exit 1\): no such artifact") as e:
+            gpu.load_in_child(tmp_path / "x.kvt", gpu.torch.device("cpu"))
+        assert not isinstance(e.value, gpu.LoadDied)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+
+@pytest.mark.compile
+def test_gpu_script_smoke_probes_on_cpu(tmp_path):
+    """The smoke phase's probes, each in its own process (torch alone: weights in the .so and handed in; kvtrace
+    aoti and aoti-packed, and aoti at the 1B's widths), pass on the CPU, and --backend auto then picks aoti."""
+    proc, lines = dry_run(tmp_path, "--backend", "auto", "--skip", "hf-compile,hf-eager,verify,graphs")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    smoke = [r for r in lines if r["phase"] == "smoke"]
+    probes = {r["probe"]: r for r in smoke if "probe" in r}
+    assert set(probes) == {"torch-packaged", "torch-external", "kvtrace-aoti", "kvtrace-aoti-packed",
+                           "kvtrace-aoti-wide"}
+    assert all(r["ok"] for r in probes.values()), probes
+    assert probes["torch-external"]["max_abs"] < 1e-5 and probes["kvtrace-aoti"]["position"] == 8
+    assert smoke[-1]["backend_chosen"] == "aoti"
+    assert [r["backend"] for r in lines if r["phase"] == "export"] == ["aoti"]

@@ -35,14 +35,16 @@ class ExportedBackend(Backend):
         return "serializing programs"
 
     def compile(self, eps: dict[str, torch.export.ExportedProgram], dtype: torch.dtype) -> dict[str, bytes]:
+        import inspect
+
         from torch._export.serde.serialize import serialize
 
-        return {
-            _member(name): serialize(
-                ep, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
-            ).exported_program
-            for name, ep in eps.items()
-        }
+        # the program's graph only (``.exported_program``): weights travel once, in the artifact's weights. A torch
+        # without these switches (2.11, the GPU image's) also serializes the state dict, which is dropped here
+        params = inspect.signature(serialize).parameters
+        skip = {k: False for k in ("serialize_state_dict", "serialize_constants", "serialize_example_inputs")
+                if k in params}
+        return {_member(name): serialize(ep, **skip).exported_program for name, ep in eps.items()}
 
     def members(self, programs: Iterable[str]) -> set[str]:
         return {_member(p) for p in programs}
