@@ -208,7 +208,33 @@ def test_verify_command_passes_and_writes_json(hf_dir, tmp_path, capsys):
     assert report["passed"] is True
     assert {s["candidate"] for s in report["summary"]} == {"jit-eager", "exported"}
     assert len(report["rows"]) == 2 * 2 * (1 + 2)  # candidates x prompts x (prefill + steps)
-    assert "PASS" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert text.rstrip().endswith("PASS")
+    # piped (not a terminal): the table as Markdown, every cell whole, not folded into 80 columns
+    lines = text.splitlines()
+    assert any(ln.startswith("| candidate | steps | logits max abs | worst step |") for ln in lines), text
+    row = next(ln for ln in lines if ln.startswith("| exported | "))
+    assert row.endswith(" | PASS |") and row.count("|") == lines[lines.index(row) - 2].count("|"), text
+
+
+def test_tables_markdown_keeps_cells_whole_and_drops_markup():
+    from rich.console import Group
+    from rich.table import Table
+
+    from kvtrace.cli.ui import tables_markdown
+
+    t = Table(title="a title", caption="a | caption")
+    t.add_column("candidate")
+    t.add_column("result")
+    t.add_row("smollm2-135m-instruct-aoti-packed-282d18a178652afafac7.kvt (vs decoder-eager-int8)",
+              "[green]PASS[/green] (noise floor: 1/18 steps)")
+    u = Table()
+    u.add_column("x")
+    u.add_row("1")
+    assert tables_markdown(Group(t, u)).splitlines() == [
+        "a title", "", "| candidate | result |", "|---|---|",
+        "| smollm2-135m-instruct-aoti-packed-282d18a178652afafac7.kvt (vs decoder-eager-int8) | PASS (noise floor: "
+        "1/18 steps) |", "", "a / caption", "", "| x |", "|---|", "| 1 |"]
 
 
 def test_verify_refuses_an_artifact_of_another_dtype_than_the_reference(hf_dir, tmp_path, capsys):

@@ -231,14 +231,15 @@ class Tiered:
             self._load_error = f"the {self.backend} artifact built in the background does not load: {e}"
 
     def _swap(self, sessions: tuple[Any, ...]) -> bool:
-        swapped = False
-        programs = self.artifact.program_set()
-        for s in sessions:
-            if id(s) not in self._switched and s.label == "eager":
-                s.swap(programs)
-                self._switched.add(id(s))
-                swapped = True
-        return swapped
+        """Swap the compiled programs into every session still on the eager ones. ``poll`` runs between every two
+        tokens, also after the switch, so a session already switched costs nothing here: building a program set
+        each token (3.5 ms for SmolLM2's aoti artifact) made the compiled decode of a tiered answer 33.6 tokens/s
+        against 38-40 for the same artifact from a cache hit (stop 36)."""
+        todo = [s for s in sessions if id(s) not in self._switched and s.label == "eager"]
+        for s in todo:
+            s.swap(self.artifact.program_set())  # one set per session: a set may carry its own state
+            self._switched.add(id(s))
+        return bool(todo)
 
     def close(self) -> None:
         """Stop a build that still runs (its artifact is then not cached)."""

@@ -9,10 +9,11 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from kvtrace._errors import UsageError
 
-__all__ = ["UI", "output_file"]
+__all__ = ["UI", "output_file", "tables_markdown"]
 
 
 class UI:
@@ -98,3 +99,29 @@ def remove_empty(folders: list[Path]) -> None:
         with contextlib.suppress(OSError):
             d.rmdir()
 
+
+
+def tables_markdown(renderable: Any) -> str:
+    """A rich Table (or a Group of them) as Markdown text, every cell whole: for pipes and logs, where rich
+    folds each column into 80 / n characters ("smoll│m2-13│5m-in..."). Title and caption become paragraphs;
+    markup (``[green]PASS[/green]``) becomes its plain text."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    def plain(cell: Any) -> str:
+        text = cell.plain if isinstance(cell, Text) else Text.from_markup(str(cell)).plain
+        return " ".join(text.split()).replace("|", "/")
+
+    if isinstance(renderable, Group):
+        return "\n\n".join(tables_markdown(r) for r in renderable.renderables)
+    if not isinstance(renderable, Table):
+        return plain(renderable)
+    cols = renderable.columns
+    lines = [plain(renderable.title), ""] if renderable.title else []
+    lines += ["| " + " | ".join(plain(c.header) for c in cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(plain(cell) for cell in row) + " |"
+              for row in zip(*(list(c.cells) for c in cols), strict=True)]
+    if renderable.caption:
+        lines += ["", plain(renderable.caption)]
+    return "\n".join(lines)

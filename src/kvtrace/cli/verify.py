@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtrace.cli.args import POSITIVE, device_arg, int_in, kv_dtype_arg, quant_args
-from kvtrace.cli.ui import UI, output_file
+from kvtrace.cli.ui import UI, output_file, tables_markdown
 
 
 def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
@@ -20,7 +20,10 @@ def cmd_verify(args: argparse.Namespace, ui: UI) -> int:
     if not ui.quiet:
         from kvtrace.tools.verify import render
 
-        ui.out.print(render(report))
+        if ui.out.is_terminal:
+            ui.out.print(render(report))
+        else:  # piped or logged: the same tables as Markdown, full width
+            ui.out.print(tables_markdown(render(report)), markup=False, highlight=False, soft_wrap=True)
     ui.out.print("PASS" if report.passed else "FAIL")
     return 0 if report.passed else 1
 
