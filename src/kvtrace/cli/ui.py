@@ -100,7 +100,6 @@ def remove_empty(folders: list[Path]) -> None:
             d.rmdir()
 
 
-
 def tables_markdown(renderable: Any) -> str:
     """A rich Table (or a Group of them) as Markdown text, every cell whole: for pipes and logs, where rich
     folds each column into 80 / n characters ("smoll│m2-13│5m-in..."). Title and caption become paragraphs;
