@@ -33,8 +33,6 @@ from pathlib import Path
 from typing import Any
 
 PROBES = ("torch-packaged", "torch-external", "kvtrace-aoti", "kvtrace-aoti-packed", "kvtrace-aoti-wide")
-WIDE = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
-            num_hidden_layers=1, vocab_size=128256)  # the 1B's widths, one layer
 
 
 def _torch_probe(device: str, external: bool, workdir: Path) -> dict[str, Any]:
@@ -58,18 +56,13 @@ def _torch_probe(device: str, external: bool, workdir: Path) -> dict[str, Any]:
 
 
 def _kvtrace_probe(device: str, backend: str, workdir: Path, wide: bool = False) -> dict[str, Any]:
+    """gpu.py's own models: its tiny Llama, or (``wide``) the 1B shape with one layer."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from gpu import build_model
 
     import kvtrace
 
-    shape = WIDE if wide else dict(hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=256)
-    cfg = LlamaConfig(**shape, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg)
-    model = model.to(torch.bfloat16).eval().requires_grad_(False)
+    model = build_model(not wide, torch.device(device), 1 if wide else None)
     path = workdir / f"tiny-{backend}.kvt"
     t0 = time.perf_counter()
     kvtrace.export(model, path, max_seq_len=64, dtype="bfloat16", backend=backend, device=torch.device(device))
