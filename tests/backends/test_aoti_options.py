@@ -88,7 +88,10 @@ def test_a_frozen_template_program_keeps_no_original_beside_its_prepacked_weight
     model = _Q8().eval()
     x = torch.randn(1, 4, 64)
     ep = torch.export.export(model, (x,))
-    opts = {**aoti.export_options(True, torch.float32, quantized=True), "aot_inductor.output_path": str(tmp_path / "m.so")}
+    # The template only: under "CPP,ATEN" autotuning picks by timing, and at this tiny size ATen's matmul can win
+    # (it did on CI), keeping the original as it must; what is tested is the template's pruning.
+    opts = {**aoti.export_options(True, torch.float32, quantized=True), "aot_inductor.output_path": str(tmp_path / "m.so"),
+            "max_autotune_gemm_backends": "CPP"}
     counters.clear()
     so = aoti._aot_compile(ep, opts)
     assert counters["inductor"]["select_algorithm_weight_prune"] == 1
