@@ -86,6 +86,13 @@ def test_llama_pte_is_an_executorch_program_with_initialized_cache(llama_pte):
     s = art.session()
     for b, t in zip(dec.cache_spec.buffers(), s.state, strict=True):  # as the program starts: declared values
         assert tuple(t.shape) == b.shape and bool((t == KV_INIT).all()), b.name
+    assert len({t.data_ptr() for t in s.state}) == len(s.state)  # each buffer its own memory
+    # ... started from one stored copy of the value all four declare (ExecuTorch would store four)
+    program = _flatbuffer_program(path.read_bytes())
+    (mutable,) = [program.MutableDataSegments(i) for i in range(program.MutableDataSegmentsLength())]
+    one = s.state[0].numel() * s.state[0].element_size()
+    assert mutable.OffsetsLength() == 2  # the reserved empty entry, then the one value
+    assert one <= program.Segments(mutable.SegmentIndex()).Size() < 2 * one
 
 
 @pytest.mark.compile
@@ -185,7 +192,12 @@ def test_vision_decoder_verifies_image_and_text_prompts(tmp_path):
     art = kvtrace.load(path)
     assert set(art.manifest.programs) == {"prefill", "decode", "prefill_image"}
     prompts = [Prompt([5, 7, 9], {"cross_attention_states": image_features()}), [3, 4, 5, 6]]
-    report = kvtrace.verify(EagerRunner(model), [SessionRunner(art.session(), "executorch")], prompts, steps=5)
+    s = art.session()
+    for b, t in zip(art.cache_spec.buffers(), s.state, strict=True):  # values of four sizes, each stored once
+        assert torch.equal(t, b.allocate()), b.name
+    program = _flatbuffer_program(path.read_bytes())
+    assert program.MutableDataSegments(0).OffsetsLength() == 1 + 4  # self K/V, cross K/V, mask, flag
+    report = kvtrace.verify(EagerRunner(model), [SessionRunner(s, "executorch")], prompts, steps=5)
     assert report.passed, report.summary()
     cross = report.rows[0]  # the image prompt's prefill: the cross layers (1, 3) hold the image K/V
     assert all(cross.k_max_abs[i] < 1e-4 for i in (1, 3))

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtrace._errors import ArtifactError, CaptureError, UsageError
 from kvtrace.backends.base import Backend, Program
+from kvtrace.backends.executorch_graph import delegable
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -224,6 +225,8 @@ class ExecuTorchBackend(Backend):
         from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge_transform_and_lower
         from executorch.exir.passes import MemoryPlanningPass
 
+        from kvtrace.spec.cache import LayerKind
+
         spec = manifest.cache_spec
         state = [{"name": b.name, "fqn": f"state_{i}", "seq_major": _is_seq_major(ep_shape(eps, i), b.shape)}
                  for i, b in enumerate(spec.buffers())]
@@ -231,7 +234,8 @@ class ExecuTorchBackend(Backend):
         consts = {**metadata(manifest, fused), MANIFEST_METHOD: manifest.to_json(), STATE_METHOD: json.dumps(state)}
         if tokenizer_json is not None:
             consts[TOKENIZER_METHOD] = tokenizer_json
-        eps = {name: _delegable_views(_delegable_norms(ep)) for name, ep in eps.items()}
+        rings = any(layer.kind is LayerKind.SLIDING for layer in spec.layers)
+        eps = {name: delegable(ep, rotate_half=not rings) for name, ep in eps.items()}  # kept whole in XNNPACK
         with _lean_xnnpack_passes():
             edge = to_edge_transform_and_lower(
                 eps, partitioner=[_partitioner()], constant_methods=consts,
@@ -257,7 +261,7 @@ class ExecuTorchBackend(Backend):
             run_reinplace_pass=True,  # a functional index_put on a buffer written in place, not copied
             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(eps) > 1),
         )
-        blob = _share_duplicate_segments(edge.to_executorch(config).buffer)
+        blob = _share_duplicate_segments(_with_shared_initial_values(edge.to_executorch(config), config))
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, blob)
         if tokenizer_json is not None and path.suffix == ".pte":  # for ExecuTorch's runners; any other name
@@ -363,65 +367,43 @@ def _lean_xnnpack_passes() -> Iterator[None]:
         manager.__init__ = init
 
 
-def _delegable_norms(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``mean(x [B, T, C], -1, keepdim)`` (an RMSNorm's) as ``mean(x [B, T, C, 1], [2, 3], keepdim)``: the same
-    values, in the one form XNNPACK takes (a 4-D mean over the two innermost dims), so a norm no longer
-    splits a layer's delegated graph in two."""
-    import torch
+# --- one copy of each declared initial value ----------------------------------------------------------------
+def _with_shared_initial_values(manager: Any, config: Any) -> bytes:
+    """The .pte of ``manager`` with each distinct initial value of a mutable buffer stored once.
 
-    aten = torch.ops.aten
-    graph, changed = ep.graph, False
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not aten.mean.dim or node.kwargs.get("dtype") is not None:
-            continue
-        x, dims = node.args[0], node.args[1]
-        keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
-        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
-        if val is None or val.dim() != 3 or list(dims) not in ([-1], [2]) or not keep:
-            continue
-        with graph.inserting_before(node):
-            up = graph.call_function(aten.unsqueeze.default, (x, -1))  # [B, T, C, 1]
-            mean = graph.call_function(aten.mean.dim, (up, [2, 3], True))  # [B, T, 1, 1]
-            shape = _inferred_shape(node.meta["val"].shape)  # [B, T, 1] with T (symbolic) as -1: XNNPACK's reshape
-            down = graph.call_function(*((aten.view.default, (mean, shape)) if shape is not None
-                                         else (aten.squeeze.dims, (mean, [-1]))))
-        up.meta["val"], mean.meta["val"] = val.unsqueeze(-1), node.meta["val"].unsqueeze(-1)
-        down.meta["val"] = node.meta["val"]
-        node.replace_all_uses_with(down)
-        graph.erase_node(node)
-        changed = True
-    if changed:
-        ep.graph_module.recompile()
-    return ep
+    ExecuTorch shares equal constants but not the initial values of *named* mutable buffers (the emitter looks
+    them up in the constants' table: ``emit_mutable_buffer_names``, which the Session needs), so a K/V cache of
+    L layers carried 2L copies of the same zeros: 45 MiB of SmolLM2's 560 at 1024 positions. Every buffer keeps
+    its own planned memory (``allocation_info``); what is shared is only the index of the bytes the runtime
+    copies into it when a program is loaded (``data_buffer_idx`` into the mutable data segment), so each
+    buffer still starts from its declared value, and buffers that declare different values keep their own.
+    The file is serialized again from the emitted program with the duplicates dropped."""
+    import hashlib
 
+    from executorch.exir._serialize._serialize import serialize_for_executorch
+    from executorch.exir.schema import Tensor
 
-def _inferred_shape(shape: Iterable[Any]) -> list[int] | None:
-    """``shape`` with its one symbolic size as -1 (None unless exactly one size is symbolic)."""
-    out = [d if isinstance(d, int) else -1 for d in shape]
-    return out if out.count(-1) == 1 else None
-
-
-def _delegable_views(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
-    """``view``/``reshape`` to a shape holding the token count (symbolic) as ``-1`` instead: the same view, in the form
-    XNNPACK's reshape takes (one inferred size, no symbolic ones), so head splits and merges stay delegated."""
-    import torch
-
-    aten = torch.ops.aten
-    changed = False
-    for node in ep.graph.nodes:
-        if node.op != "call_function" or node.target not in (aten.view.default, aten.reshape.default):
-            continue
-        shape = list(node.args[1])
-        symbolic = [i for i, d in enumerate(shape) if not isinstance(d, int)]
-        if len(symbolic) != 1 or -1 in shape:
-            continue
-        shape[symbolic[0]] = -1
-        node.args = (node.args[0], shape, *node.args[2:])
-        changed = True
-    if changed:
-        ep.graph.eliminate_dead_code()
-        ep.graph_module.recompile()
-    return ep
+    out = manager._emitter_output
+    data = out.mutable_data
+    if not data or len(data) <= 2:  # index 0 is reserved (empty): nothing repeats in one value
+        return manager.buffer
+    kept, first, remap = [data[0]], {}, {0: 0}
+    for i, buf in enumerate(data[1:], 1):
+        key = hashlib.sha256(buf.storage).digest()
+        if key not in first:
+            first[key] = len(kept)
+            kept.append(buf)
+        remap[i] = first[key]
+    if len(kept) == len(data):
+        return manager.buffer
+    for plan in out.program.execution_plan:
+        for value in plan.values:
+            t = value.val
+            if isinstance(t, Tensor) and t.allocation_info is not None and t.data_buffer_idx:  # mutable, initialized
+                t.data_buffer_idx = remap[t.data_buffer_idx]
+    out.mutable_data = kept
+    pte, _ = serialize_for_executorch(out, config, manager._data_serializer, manager._named_data)
+    return bytes(pte)
 
 
 # --- one copy of a tensor both a kernel and XNNPACK read ------------------------------------------------------
