@@ -228,10 +228,8 @@ def _halves(a: Any, b: Any) -> torch.fx.Node | None:
                 and getattr(half.target, "__name__", "") == "getitem" and half.args[1] == index):
             return None
     cut = first.args[0]
-    if second.args[0] is not cut or _last_dim_pieces(cut) is None or len(_last_dim_pieces(cut)) != 2:
-        return None
-    n1, n2 = _last_dim_pieces(cut)
-    return cut.args[0] if n1 == n2 else None
+    pieces = _last_dim_pieces(cut) if second.args[0] is cut else None
+    return cut.args[0] if pieces is not None and len(pieces) == 2 and pieces[0] == pieces[1] else None
 
 
 def _rotate_half_as_linear(ep: torch.export.ExportedProgram) -> torch.export.ExportedProgram:
