@@ -49,7 +49,7 @@ def test_packed_programs_over_quantized_weights_are_frozen_over_the_templates_on
     monkeypatch.setattr(aoti, "_cpu_vendor", lambda: vendor)
     opts = aoti.inductor_options(packed=True, dtype=torch.float32, rows=rows, quantized=True)
     assert opts["freezing"] is True and opts["max_autotune"] is True
-    assert opts["max_autotune_gemm_backends"] == "CPP,ATEN"
+    assert opts["max_autotune_gemm_backends"] == "CPP"  # templates only: autotuning by timing is at the mercy of load
     assert "max_autotune" not in aoti.inductor_options(packed=False, dtype=torch.float32, quantized=True)
     assert "max_autotune" not in aoti.inductor_options(packed=True, dtype=torch.float32, device_type="cuda",
                                                        quantized=True)

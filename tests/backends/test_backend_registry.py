@@ -127,9 +127,9 @@ def test_aoti_capabilities_match_what_compile_does(name, monkeypatch, tmp_path):
 
     monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")
     ep = torch.export.export(One(), (torch.ones(1, 2),))  # tokens of one row
-    specs = {"prefill": "prefill spec", "decode": "decode spec"}
+    specs = {"prefill": "prefill spec", "decode": "decode spec"}  # no served_by: aoti-packed compiles decode too
     compiled = b.compiled(specs)
-    assert compiled == ({"step": "prefill spec"} if b.one_program else specs)
+    assert compiled == ({"step": "prefill spec", "decode": "decode spec"} if b.one_program else specs)
     assert b.compile({n: ep for n in compiled}, torch.float32) == {PACKAGE: b"pt2"}
     assert [c[0] for c in calls] == list(compiled)
     rows = torch.export.export(One(), (torch.ones(2, 2),))  # over two rows: packed fp32 on Intel adds step_one

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import kvtrace
 from conftest import tiny_model
-from helpers import write_gguf
+from helpers import package_libraries, write_gguf
 from kvtrace._errors import ArtifactError, UnsupportedError, UsageError
 from kvtrace.models import quant as q
 from kvtrace.models.registry import make_decoder
@@ -306,6 +306,13 @@ def test_compiled_quantized_artifacts_verify(scheme, backend, llama, q41_gguf, t
     source, model = (str(q41_gguf), load_model(q41_gguf).model) if scheme == "gguf" else (llama, llama)
     art = _export(source, tmp_path / "c.kvt", scheme, backend)
     assert art.manifest.quant.scheme == scheme
+    if backend == "aoti-packed":  # int8: decode on its own one-token program (templates specialized for one row)
+        own = scheme == "int8"
+        assert art.manifest.programs["decode"].served_by == (None if own else "prefill")
+        assert set(package_libraries(tmp_path / "c.kvt")) == set(art.manifest.signatures) == (
+            {"step", "decode"} if own else {"step"})
+        if own:
+            assert art.manifest.signatures["decode"][0]["shape"] == [1, 1]  # tokens [B, 1]
     report = _verify(model, (backend, art), prompts=GGUF_PROMPTS if scheme == "gguf" else PROMPTS)
     assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
     (s,) = report.summary()

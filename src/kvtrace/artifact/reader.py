@@ -292,7 +292,7 @@ def _safetensors_views(buf: torch.Tensor) -> dict[str, torch.Tensor]:
 def check_signatures(path: Path, manifest: Manifest) -> None:
     """The signatures recorded at export against what the CacheSpec and ProgramSpecs declare."""
     backend = registry.get(manifest.backend)
-    compiled = backend.compiled(manifest.programs)
+    compiled = backend.compiled(manifest.programs, set(manifest.signatures))
     if set(manifest.signatures) != set(compiled):
         raise ArtifactError(f"{path}: the manifest records signatures of {sorted(manifest.signatures)}, expected "
                             f"{sorted(compiled)}; the artifact is inconsistent, re-export it")

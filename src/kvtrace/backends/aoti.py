@@ -32,7 +32,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
@@ -100,8 +100,8 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
       54.7-61.9 tokens/s vs `aoti` 23.1-24.6 (measured unfrozen, stop 2x; frozen unmeasured on AMD).
 
     - quantized weights (``quantized``: the program calls torch's CPU weight-only matmuls, ``woq_program``),
-      whatever the dtype: frozen and max-autotuned like bf16, so ``_weight_int8pack_mm`` (int8, and the int8
-      head of int4 / 8da4w) runs on the templates' AMX / VNNI micro-kernels over prepacked int8 weights. SmolLM2
+      whatever the dtype: frozen and compiled over the templates alone, so ``_weight_int8pack_mm`` (int8, and the
+      int8 head of int4 / 8da4w) runs on their AMX / VNNI micro-kernels over prepacked int8 weights. SmolLM2
       on the same Intel machine, fresh processes, alternated (stop 35), decode tokens/s / prefill ms of 37
       tokens: int8 93.3 / 19.0 vs 74.6 / 71.4 unfrozen; int4 129.1 / 60.3 vs 112.1 / 61.3 (its int4 matmuls
       stay ``quantized.int4mm_packed_weight_cpu``: Inductor's int4 template, over the aten op, measured
@@ -121,7 +121,11 @@ def inductor_options(packed: bool = False, dtype: torch.dtype | None = None, dev
         if device_type == "cpu" and (low_precision or quantized or _cpu_vendor() == "AuthenticAMD"):
             opts.update({
                 "max_autotune": True,
-                "max_autotune_gemm_backends": "CPP,ATEN",
+                # quantized: the templates only. Autotuning picks by timing, and a build on a busy machine (its
+                # programs compile side by side) let ATen's weight-only kernels win some of SmolLM2's int8
+                # matmuls: prefill 68-134 ms and decode 55-61 tokens/s against 25-35 ms and 90-99 with the
+                # templates (stop 39, alternated in one process).
+                "max_autotune_gemm_backends": "CPP" if quantized else "CPP,ATEN",
                 "autotune_num_choices_displayed": 0,  # no per-matmul benchmark tables on stderr
                 "max_autotune_report_choices_stats": False,
             })
@@ -595,7 +599,7 @@ class AotiBackend(Backend):
             return programs
         return tuple(dataclasses.replace(p, served_by="prefill") if p.name == "decode" else p for p in programs)
 
-    def compiled(self, programs: Mapping[str, T]) -> dict[str, T]:
+    def compiled(self, programs: Mapping[str, T], signed: Collection[str] | None = None) -> dict[str, T]:
         """Every program served by no other (``ProgramSpec.served_by``), by its name."""
         return {n: p for n, p in programs.items() if getattr(p, "served_by", None) is None}
 
@@ -657,7 +661,7 @@ class AotiBackend(Backend):
         import torch
 
         device = device if device is not None else torch.device("cpu")
-        compiled = self.compiled(manifest.programs)
+        compiled = self.compiled(manifest.programs, set(manifest.signatures))
         variants = {n: of for n, of in self.one_row_variants.items() if of in compiled}
         libraries = pt2.libraries(f"{path}: {PACKAGE}", blobs[PACKAGE], set(compiled), frozenset(variants))
         variants = {n: of for n, of in variants.items() if n in libraries}  # those this package holds

@@ -4,13 +4,20 @@ max-autotuned over Inductor's GEMM templates; see ``aoti.inductor_options``), an
 rows on Intel fp32 the same program compiled as for one row beside it (``ONE_ROW``). The artifact's
 weights.safetensors is empty.
 
+A decoder whose weights are mostly in matmuls that Inductor's GEMM templates specialize for one row
+(``one_row_template``: the int8 linears) gets a second program, ``DECODE``: its decode, captured with T = 1,
+over its own copy of the frozen weights (``own_decode``). The manifest says which: decode ``served_by="prefill"``
+when the step program serves it, no ``served_by`` and a signature of its own when not. (Manifests of kvtrace
+<= 0.4.2 marked neither and signed only the step program: decode served by it.)
+
 Only for decoders whose programs are exactly prefill and decode, agreeing on their inputs, key_pos and
 slots (one signature serves both); checked at export and again at load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
@@ -24,9 +31,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.spec.manifest import Manifest
     from kvtrace.spec.program import ProgramSpec
 
-__all__ = ["AOTI_PACKED", "MODEL", "ONE_ROW", "AotiPackedBackend", "ByRows"]
+__all__ = ["AOTI_PACKED", "DECODE", "MODEL", "ONE_ROW", "AotiPackedBackend", "ByRows", "own_decode"]
 
-MODEL = "step"  # the one model of the package (its manifest signature's key too)
+MODEL = "step"  # the package's T-symbolic model (its manifest signature's key too)
+DECODE = "decode"  # the one-token decode model, where the decoder has its own (``own_decode``)
 # Where a program over several cache rows compiles differently from a one-row one (fp32 on Intel: frozen with
 # oneDNN-prepacked weights vs MKL over the embedded ones, ``aoti.inductor_options``), the package also holds
 # MODEL compiled as for one row, and calls of at most ONE_ROW_MAX token rows (R x T) run on it: a slots
@@ -37,12 +45,46 @@ ONE_ROW_MAX = 2
 T = TypeVar("T")
 
 
+def own_decode(programs: Sequence[ProgramSpec], decoder: torch.nn.Module) -> bool:
+    """Whether decode gets its own one-token program: more than half of ``decoder``'s weight bytes are in modules
+    declaring ``one_row_template`` (``models.quant.Int8Linear``), and its programs are not slots programs (a
+    slots decode steps R rows: unmeasured, served by the step program).
+
+    The second program stores the frozen weights again (the two templates pack them differently), so it is worth
+    it where one-row micro-kernels speed up most of a step. SmolLM2, 2 threads, alternated in one process (stop
+    39): int8, decode 89.6-99.0 tokens/s as its own program vs 65.1-83.3 on the step's, prefill alike (the step
+    program serves it either way), artifact 245 vs 148 MB; int4 (its int8 head a third of its bytes), 100.0 vs
+    95.8 tokens/s, within the noise, at twice the size: not taken."""
+    if any(p.slots for p in programs):
+        return False
+    seen: set[int] = set()
+    special = total = 0
+    for m in decoder.modules():
+        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+            if t is None or t.data_ptr() in seen:  # a tied table (embedding and head) once
+                continue
+            seen.add(t.data_ptr())
+            n = t.numel() * t.element_size()
+            total += n
+            special += n if getattr(m, "one_row_template", False) else 0
+    return special * 2 > total
+
+
 class AotiPackedBackend(AotiBackend):
     def program_specs(self, programs: tuple[ProgramSpec, ...], decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
-        return programs  # one program always (``compiled``); no ProgramSpec says so
+        """As declared, decode ``served_by="prefill"`` unless it gets its own program (``own_decode``)."""
+        if own_decode(programs, decoder):
+            return programs
+        return tuple(dataclasses.replace(p, served_by="prefill") if p.name == "decode" else p for p in programs)
 
-    def compiled(self, programs: Mapping[str, T]) -> dict[str, T]:
-        return {MODEL: programs["prefill"]}  # prefill's program, T symbolic, serves decode too
+    def compiled(self, programs: Mapping[str, T], signed: Collection[str] | None = None) -> dict[str, T]:
+        """The step program (prefill's, T symbolic) and, where decode is served by no other, ``DECODE``. At load,
+        an older manifest (decode unmarked, ``signed`` holding no DECODE) is the one-program layout it was."""
+        out = {MODEL: programs["prefill"]}
+        decode = programs["decode"]
+        if getattr(decode, "served_by", None) is None and (signed is None or DECODE in signed):
+            out[DECODE] = decode
+        return out
 
     def check_programs(self, names: Sequence[str], model: str) -> None:
         if sorted(names) != ["decode", "prefill"]:
@@ -51,16 +93,16 @@ class AotiPackedBackend(AotiBackend):
 
     def check_manifest(self, path: Path, manifest: Manifest) -> None:
         pre, dec = manifest.programs["prefill"], manifest.programs["decode"]
-        if ((pre.inputs, pre.key_pos, pre.slots, pre.single_token, dec.single_token)
-                != (dec.inputs, dec.key_pos, dec.slots, False, True)):
+        if ((pre.inputs, pre.key_pos, pre.slots, pre.single_token, pre.served_by, dec.single_token)
+                != (dec.inputs, dec.key_pos, dec.slots, False, None, True)) or dec.served_by not in (None, "prefill"):
             raise ArtifactError(f"{path}: an {self.name} artifact serves a T-symbolic prefill and a one-token decode "
-                                "with one program, but its manifest's program specs differ; re-export it")
+                                "agreeing on their inputs, but its manifest's program specs differ; re-export it")
 
     one_row_variants: ClassVar[Mapping[str, str]] = {ONE_ROW: MODEL}  # packaged where its options differ
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         step = loaded[MODEL] if ONE_ROW not in loaded else ByRows(loaded[ONE_ROW], loaded[MODEL])
-        return {p: step for p in manifest.programs}
+        return {"prefill": step, "decode": loaded.get(DECODE, step)}
 
 
 class ByRows:

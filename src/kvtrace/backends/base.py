@@ -8,9 +8,11 @@ capabilities instead of comparing names.
 Capabilities (fixed per backend; ``tests/backends`` holds each one against what the backend does):
   * ``native_code``: loading dlopens a compiled library from the file (trust it: ``expected_sha256``);
   * ``packs_weights``: the weights are frozen into the program, so the artifact stores none;
-  * ``one_program``: one program (T symbolic) serves prefill and decode, always; ``compiled`` maps the
-    decoder's ProgramSpecs to the programs actually captured, compiled and signed (a backend may also share
-    per decoder, saying so in the ProgramSpecs it captures: ``aoti``'s decode ``served_by`` prefill);
+  * ``one_program``: one program (T symbolic) serves prefill and decode, but where the decoder holds a module
+    whose one-token calls compile to other code (``one_token_path``: aoti-packed then compiles decode on its own,
+    saying so in its ProgramSpecs); ``compiled`` maps the decoder's ProgramSpecs to the programs actually captured,
+    compiled and signed (a backend may also share per decoder, saying so in the ProgramSpecs it captures:
+    ``aoti``'s and ``aoti-packed``'s decode ``served_by`` prefill);
   * ``no_compile_cache``: compiled with Inductor's compile caches off (see ``aoti.EXPORT_NO_CACHE``);
   * ``holds_state``: the programs hold the cache themselves, as mutable buffers initialized from the
     CacheSpec; ``bind`` gives each Session its own program instance and the state tensors (views of those
@@ -24,7 +26,7 @@ must not pull in torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,9 +58,11 @@ class Backend:
     standalone: bool = False
 
     # --- export ------------------------------------------------------------------------------------
-    def compiled(self, programs: Mapping[str, T]) -> dict[str, T]:
+    def compiled(self, programs: Mapping[str, T], signed: Collection[str] | None = None) -> dict[str, T]:
         """ProgramSpec name -> X, as compiled program name -> X: what gets captured, compiled and signed
-        (the manifest's ``signatures`` keys). Default: one compiled program per ProgramSpec."""
+        (the manifest's ``signatures`` keys). Default: one compiled program per ProgramSpec. ``signed``: at load,
+        the names the manifest records signatures of (None at export), for a backend whose artifacts of an older
+        kvtrace said less in their ProgramSpecs (``aoti_packed``)."""
         return dict(programs)
 
     def check_programs(self, names: Sequence[str], model: str) -> None:

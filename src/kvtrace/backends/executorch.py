@@ -40,7 +40,7 @@ import dataclasses
 import json
 import os
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,7 +182,7 @@ class ExecuTorchBackend(Backend):
     def compile_label(self) -> str:
         return f"lowering to ExecuTorch with XNNPACK ({self.name})"
 
-    def compiled(self, programs: Mapping[str, T]) -> dict[str, T]:
+    def compiled(self, programs: Mapping[str, T], signed: Collection[str] | None = None) -> dict[str, T]:
         # prefill's program (T symbolic) is "forward" and serves decode too; others (prefill_image) by name
         return {FORWARD: programs["prefill"], **{n: p for n, p in programs.items() if n not in ("prefill", "decode")}}
 

@@ -105,6 +105,11 @@ def _quant_rows_int8(x: torch.Tensor) -> torch.Tensor:
 class Int8Linear(nn.Module):
     """y = x @ (weight * scale).T (+ bias), weight int8 [N, K], scale bf16 [N]; bf16 activations."""
 
+    # In a frozen program (aoti-packed) Inductor's CPU GEMM template runs this matmul with a micro-kernel it picks by
+    # the row count M: for a T-symbolic M, AMX over weight blocks dequantized to bf16 on the fly; for M = 1, an
+    # AVX-512 one. Read by ``backends.aoti_packed.own_decode`` (a decoder mostly of these gets its own decode program).
+    one_row_template = True
+
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight", weight)  # [N, K] int8
