@@ -31,6 +31,8 @@ What ``load`` checks before the first program call, each failure one ``ArtifactE
     buffer whose views are the weights: see ``reader``);
   * the manifest's fields and types; the weights against the manifest's weight table (names, shapes,
     dtypes) and its aliases;
+  * int4 weights: the CPU int4pack layout they were packed in (``QuantSpec.int4_layout``) against the one torch's
+    int4 kernels read on this machine, which depends on the CPU capability torch dispatches;
   * every program against the CacheSpec and ProgramSpecs: exported graphs' placeholders (inputs, cache
     and weights) and logits; compiled libraries' constants (dtype and byte size, asked of the library
     itself) and one probe call with AOTInductor's runtime input checks on, which then stay on for every
@@ -184,6 +186,23 @@ class Artifact:
                 f"{m.cache_spec.describe()})")
 
 
+def _check_int4_layout(path: Path, manifest: Manifest) -> None:
+    """An int4 artifact's weights are packed in the layout of the CPU capability torch dispatched at export; torch's
+    int4 matmul here reads its own (``models.quant.int4pack_layout``): another one would read scrambled weights."""
+    recorded = manifest.quant.int4_layout if manifest.quant is not None else None
+    if recorded is None:
+        return
+    from kvtrace.models.quant import int4pack_layout
+
+    here = int4pack_layout()
+    if here != recorded:
+        raise ArtifactError(
+            f"{path}: its int4 weights are packed in torch's CPU int4 layout {recorded!r}, but torch here dispatches "
+            f"kernels that read layout {here!r} (CPU capability {torch.backends.cpu.get_cpu_capability()}): they "
+            "would compute with scrambled weights. Re-export the artifact on this machine, or run it where torch "
+            f"dispatches the {recorded!r} kernels (ATEN_CPU_CAPABILITY set alike)")
+
+
 def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
          device: str | torch.device | None = None) -> Artifact:
     """Load an artifact written by ``kvtrace.export``. Imports neither transformers nor pickle.
@@ -215,6 +234,7 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
                          f"load it with device={manifest.device!r}, or re-export it with --device {dev.type}")
     check_available(dev, f"{path} (programs compiled for {manifest.device})")
     dev = concrete(dev)
+    _check_int4_layout(path, manifest)
     weights = reader.load_weights(path, blobs[WEIGHTS], manifest, dev)
     tokenizer_json = None
     if TOKENIZER in blobs:

@@ -30,6 +30,7 @@ gives the same weights with float32 activations: the second route of the bf16 to
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -84,8 +85,24 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) ->
     return (g * scale.float()[..., None] + zero.float()[..., None]).reshape(n, k)
 
 
+@functools.cache
+def int4pack_layout() -> str:
+    """The CPU int4pack layout this process's torch packs and reads (``spec.quant.INT4_LAYOUTS``): torch picks it by
+    the CPU capability it dispatches (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY``
+    can lower), and its int4 matmul reads the layout of its own dispatch. Found by packing a probe: 64 outputs,
+    output n holding n // 4, whose first byte pairs output 0 with output 32 (n64), 16 (n32) or 1 (pairs)."""
+    probe = (torch.arange(64, dtype=torch.int32) // 4)[:, None].expand(64, 2).contiguous()  # [N=64, K=2]
+    first = int(torch.ops.aten._convert_weight_to_int4pack_for_cpu(probe, 1).flatten()[0])
+    layouts = {8 << 4: "n64", 4 << 4: "n32", 0: "pairs"}
+    if first not in layouts:
+        raise UnsupportedError(f"torch's CPU int4pack layout on this machine is not one kvtrace knows (probe byte "
+                               f"{first}, expected one of {sorted(layouts)}); int4 needs torch's x86 or default layout")
+    return layouts[first]
+
+
 def pack_int4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CPU int4pack kernel's layout: (weight uint8 [N, K/2], scale_zeros bf16 [K/g, N, 2])."""
+    """The CPU int4pack kernel's layout: (weight uint8 [N, K/2], scale_zeros bf16 [K/g, N, 2]). The weight's byte
+    order depends on the CPU capability torch dispatches (``int4pack_layout``), recorded in the QuantSpec."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     return packed, torch.stack([scale.t(), zero.t()], dim=-1).contiguous()
 
@@ -428,4 +445,6 @@ def quantize_decoder(decoder: nn.Module, spec: QuantSpec, *, gguf: GGUFRows | No
     if chosen is not None and set(chosen) != set(tensors) and not reference:
         raise UnsupportedError(f"the decoder's modules do not match the recorded quantization: "
                                f"{sorted(set(chosen) ^ set(tensors))[:4]}")
-    return QuantSpec(spec.scheme, spec.group_size, spec.head, tensors, dequantized)
+    packed = not reference and any(f.startswith("int4") for f in tensors.values())
+    return QuantSpec(spec.scheme, spec.group_size, spec.head, tensors, dequantized,
+                     int4_layout=int4pack_layout() if packed else None)

@@ -28,13 +28,16 @@ from typing import Any
 
 from kvtrace._errors import ArtifactError, UsageError
 
-__all__ = ["FORMATS", "GROUP_SIZES", "SCHEMES", "QuantSpec", "parse_quant"]
+__all__ = ["FORMATS", "GROUP_SIZES", "INT4_LAYOUTS", "SCHEMES", "QuantSpec", "parse_quant"]
 
 SCHEMES = ("int8", "int4", "8da4w", "gguf")
 GROUP_SIZES = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu takes
 # per-module formats: int8 per output channel; int4 group-wise asymmetric / symmetric (8da4w);
 # an int8 embedding (per row); the GGUF block types kept as they are
 FORMATS = ("int8", "int4", "int4-sym", "q4_0", "q4_1", "q8_0")
+# torch's CPU int4pack layouts (``aten._convert_weight_to_int4pack_for_cpu``), by what torch dispatches: "n64" (AVX-512:
+# blocks of 64 outputs, outputs n and n + 32 in one byte), "n32" (AVX2: 32, n and n + 16), "pairs" (others: n, n + 1)
+INT4_LAYOUTS = ("n64", "n32", "pairs")
 ACTIVATIONS = {"int8": "bfloat16", "int4": "bfloat16", "8da4w": "int8-dynamic", "gguf": "float32"}
 
 
@@ -48,6 +51,11 @@ class QuantSpec:
     # module name -> format (FORMATS), sorted; a tied head names its embedding ("output": "tied:tok_embeddings")
     tensors: dict[str, str] = field(default_factory=dict)
     dequantized: dict[str, str] = field(default_factory=dict)  # gguf: module -> why it is not kept (its GGUF type)
+    # int4 / 8da4w: the CPU int4pack layout the stored int4 weights are packed in (``INT4_LAYOUTS``). torch packs and
+    # reads it by the CPU capability it dispatches (AVX-512: 64 outputs a block, AVX2: 32, others: pairs), so a
+    # weight packed under one is read as scrambled values under another; load refuses a mismatch. None: not
+    # recorded (kvtrace <= 0.4.2), or no int4 module.
+    int4_layout: str | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -61,6 +69,8 @@ class QuantSpec:
             object.__setattr__(self, "group_size", 32)
         elif self.group_size is not None:
             raise UsageError(f"{self.scheme} is per output channel; group_size {self.group_size!r} does not apply")
+        if self.int4_layout is not None and self.int4_layout not in INT4_LAYOUTS:
+            raise UsageError(f"int4_layout must be one of {list(INT4_LAYOUTS)}, got {self.int4_layout!r}")
         for name, fmt in self.tensors.items():
             if fmt not in FORMATS and not fmt.startswith("tied:"):
                 raise UsageError(f"quantized module {name}: format must be one of {list(FORMATS)}, got {fmt!r}")
@@ -86,17 +96,21 @@ class QuantSpec:
         return f"{self.key} ({n} quantized modules{extra}; activations {self.activations})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "group_size": self.group_size, "head": self.head,
-                "tensors": dict(sorted(self.tensors.items())), "dequantized": dict(sorted(self.dequantized.items()))}
+        d = {"scheme": self.scheme, "group_size": self.group_size, "head": self.head,
+             "tensors": dict(sorted(self.tensors.items())), "dequantized": dict(sorted(self.dequantized.items()))}
+        if self.int4_layout is not None:  # omitted when None: other manifests read as before
+            d["int4_layout"] = self.int4_layout
+        return d
 
     @classmethod
     def from_dict(cls, d: Any) -> QuantSpec:
-        ok = (isinstance(d, dict) and set(d) == {"scheme", "group_size", "head", "tensors", "dequantized"}
-              and isinstance(d["head"], bool)
+        required = {"scheme", "group_size", "head", "tensors", "dequantized"}
+        ok = (isinstance(d, dict) and required <= set(d) <= required | {"int4_layout"}
+              and isinstance(d["head"], bool) and isinstance(d.get("int4_layout", ""), str)
               and all(isinstance(d[k], dict) and all(isinstance(a, str) and isinstance(b, str) for a, b in d[k].items())
                       for k in ("tensors", "dequantized")))
         if not ok:
-            raise ArtifactError(f"manifest quant must be {{scheme, group_size, head, tensors, dequantized}}, found "
+            raise ArtifactError(f"manifest quant must be {{scheme, group_size, head, tensors, dequantized[, int4_layout]}}, found "
                                 f"{str(d)[:80]}; the file is corrupt, re-export it")
         try:
             return cls(**d)
