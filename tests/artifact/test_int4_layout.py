@@ -12,12 +12,12 @@ import sys
 
 import pytest
 import torch
+from test_artifact import manifest_dict, rewrite
 
 import kvtrace
 from conftest import tiny_model
 from kvtrace._errors import ArtifactError
 from kvtrace.models.quant import int4pack_layout
-from test_artifact import manifest_dict, rewrite
 
 PROMPT = [5, 17, 42, 8, 99, 3, 64]
 # a capability below this machine's, whose int4 layout differs from its own (every x86 CPU torch runs on has
