@@ -12,7 +12,8 @@ repetitive graph metadata and would otherwise outweigh a small model's weights):
     programs/aoti.pt2        backend "aoti": AOTInductor package with one model per compiled program (a
                              decode ``served_by`` prefill has none: prefill's model, T symbolic, runs it);
                              backend "aoti-packed": one model ("step", T symbolic) serving prefill and
-                             decode, its weights frozen and prepacked inside (weights.safetensors is empty)
+                             decode (an int8 decoder's decode: a model of its own, "decode"), its weights
+                             frozen and prepacked inside (weights.safetensors is empty)
 
 Trust model. ``exported`` programs are data: a graph of torch operators (torch's verifier refuses any
 other call target) over JSON and safetensors. ``aoti``/``aoti-packed`` programs are native code: loading

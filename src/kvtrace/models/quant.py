@@ -112,6 +112,14 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])  # [M, K]
 
 
+def _materialized(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself (a view of the same values), which Inductor computes into a buffer of its own: ``as_strided``
+    needs one. Otherwise Inductor inlines the producer of a generated reduction's input (an RMSNorm, a residual add)
+    into the reduction, recomputing it for every output tile it reads the input for. GGUF decode on SmolLM2 (aoti, 2
+    threads, alternated in one process, stop 39): 72.9 vs 64.3 tokens/s, the same greedy tokens."""
+    return t.as_strided(t.shape, t.stride())
+
+
 def _quant_rows_int8(x: torch.Tensor) -> torch.Tensor:
     """8da4w's activations: each row quantized to int8 (symmetric, one scale per row) and back."""
     xf = x.float()
@@ -261,7 +269,7 @@ class GGUFLinear(nn.Module):
         rows = _rows(x).float()  # [M, K]
         m_rows = rows.shape[0]
         if isinstance(m_rows, int) and m_rows == 1:  # decode (a trace-time size): one pass over the tiles
-            y = self._decode(rows[0])[None]  # [1, N]
+            y = self._decode(_materialized(rows[0]))[None]  # [1, N]
         else:
             y = (rows @ self.weight_t())[:, : self.out_features]  # [M, N]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
