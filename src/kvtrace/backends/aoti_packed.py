@@ -53,7 +53,7 @@ def own_decode(programs: Sequence[ProgramSpec], decoder: torch.nn.Module) -> boo
     The second program stores the frozen weights again (the two templates pack them differently), so it is worth
     it where one-row micro-kernels speed up most of a step. SmolLM2, 2 threads, alternated in one process (stop
     39): int8, decode 89.6-99.0 tokens/s as its own program vs 65.1-83.3 on the step's, prefill alike (the step
-    program serves it either way), artifact 245 vs 148 MB; int4 (its int8 head a third of its bytes), 100.0 vs
+    program serves it either way), artifact 245 vs 148 MB, 1.2 vs 0.73 GiB resident; int4 (its int8 head a third of its bytes), 100.0 vs
     95.8 tokens/s, within the noise, at twice the size: not taken."""
     if any(p.slots for p in programs):
         return False
