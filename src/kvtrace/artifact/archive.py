@@ -32,6 +32,9 @@ What ``load`` checks before the first program call, each failure one ``ArtifactE
     buffer whose views are the weights: see ``reader``);
   * the manifest's fields and types; the weights against the manifest's weight table (names, shapes,
     dtypes) and its aliases;
+  * native code (aoti, aoti-packed): the CPU extensions its libraries may execute (``Manifest.cpu_features``,
+    recorded at export: ``-march=native``) against this CPU's, so an artifact from a newer CPU is refused in one
+    line instead of dying of SIGILL at its first call;
   * int4 weights: the CPU int4pack layout they were packed in (``QuantSpec.int4_layout``) against the one torch's
     int4 kernels read on this machine, which depends on the CPU capability torch dispatches;
   * every program against the CacheSpec and ProgramSpecs: exported graphs' placeholders (inputs, cache
@@ -187,6 +190,20 @@ class Artifact:
                 f"{m.cache_spec.describe()})")
 
 
+def _check_cpu_features(path: Path, manifest: Manifest) -> None:
+    """Native code compiled with ``-march=native`` may execute any extension of the exporting CPU; on a CPU without
+    one its first call would die of an illegal instruction (SIGILL), with no message (``backends.cpu_isa``)."""
+    from kvtrace.backends.cpu_isa import missing_features
+
+    missing = missing_features(manifest.cpu_features)
+    if missing:
+        raise ArtifactError(
+            f"{path}: its {manifest.backend} programs were compiled for a CPU with {', '.join(missing)}, which this "
+            f"CPU lacks: their first call would die of an illegal instruction. Re-export it on this machine "
+            "(cached artifacts are rebuilt by `kvtrace generate`), or build it for a baseline CPU "
+            "(TORCHINDUCTOR_CPP_MARCH, e.g. x86-64-v3) on a machine whose CPU this one matches")
+
+
 def _check_int4_layout(path: Path, manifest: Manifest) -> None:
     """An int4 artifact's weights are packed in the layout of the CPU capability torch dispatched at export; torch's
     int4 matmul here reads its own (``models.quant.int4pack_layout``): another one would read scrambled weights."""
@@ -235,6 +252,7 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
                          f"load it with device={manifest.device!r}, or re-export it with --device {dev.type}")
     check_available(dev, f"{path} (programs compiled for {manifest.device})")
     dev = concrete(dev)
+    _check_cpu_features(path, manifest)
     _check_int4_layout(path, manifest)
     weights = reader.load_weights(path, blobs[WEIGHTS], manifest, dev)
     tokenizer_json = None

@@ -22,6 +22,7 @@ import torch
 from kvtrace._errors import CaptureError, KvtraceError, UnsupportedError, UsageError, one_line
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
+from kvtrace.backends.cpu_isa import compiled_features
 from kvtrace.capture.export import capture_programs, with_prefill_logits
 from kvtrace.models.step import slot_programs
 from kvtrace.spec.device import check_available, concrete
@@ -269,6 +270,7 @@ def export(
             weight_aliases=aliases,
             quant=qspec,
             device=dev.type,
+            cpu_features=compiled_features() if chosen.native_code else None,
             export_seconds=round(time.perf_counter() - t0, 3),
             # what each compiled program takes, checked at load against the CacheSpec (aoti-packed: one "step")
             signatures={n: program_signature(ep) for n, ep in compiled.items()},

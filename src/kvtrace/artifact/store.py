@@ -4,7 +4,8 @@ The second ``kvtrace generate`` on the same model and options loads the cached a
 exporting and compiling again. Entries live in ``cache_dir()/artifacts/<name>-<backend>-<key>.kvt``.
 
 Invariants:
-- the key covers every file that shapes the artifact (``ModelSource.digest``) and every option;
+- the key covers every file that shapes the artifact (``ModelSource.digest``) and every option; a native-code
+  entry also this CPU's extensions (``cpu_isa.fingerprint``): machines sharing one cache build their own;
 - an entry appears only complete (``write_artifact`` renames it into place) and only from a build
   that succeeded; a build that fails leaves nothing behind;
 - one build per entry at a time: builders hold ``fcntl.flock`` on ``<entry>.lock``, so a second
@@ -49,13 +50,16 @@ def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, bat
     from kvtrace import __version__
     from kvtrace.artifact.archive import VERSION  # a new artifact format never serves entries of the old one
     from kvtrace.backends import registry
+    from kvtrace.backends.cpu_isa import fingerprint
 
+    native = registry.get(backend).native_code  # compiled for this CPU (-march=native; a CUDA library's host code too)
     blob = json.dumps([digest, registry.get(backend).name, max_seq_len, dtype, batch_size, __version__, VERSION, torch.__version__,
                        *([] if prefill_logits == "all" else [prefill_logits]),
                        *([] if kv_dtype in (None, "auto") else [f"kv_dtype={kv_dtype}"]),
                        *([] if device == "cpu" else [f"device={device}"]),  # a CPU entry's key as before
                        *([] if quant is None else [f"quant={quant}"]),
-                       *([] if slots is None else [f"slots={slots}"])])
+                       *([] if slots is None else [f"slots={slots}"]),
+                       *([f"cpu={fingerprint()}"] if native else [])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

@@ -72,6 +72,9 @@ class Manifest(ModelInfo):
     # the device type the programs were compiled for ("cpu" or "cuda", ``spec.device``); omitted when "cpu",
     # so a CPU artifact's manifest reads as before devices were recorded
     device: str = "cpu"
+    # native code (aoti, aoti-packed): the x86 extensions its compiled libraries may execute, as /proc/cpuinfo names
+    # them (``backends.cpu_isa``; load refuses a CPU without one); None (omitted): data programs, or not known
+    cpu_features: tuple[str, ...] | None = None
 
     @property
     def max_seq_len(self) -> int:
@@ -83,6 +86,8 @@ class Manifest(ModelInfo):
         d["programs"] = {name: p.to_dict() for name, p in self.programs.items()}
         if self.device == "cpu":
             del d["device"]
+        if self.cpu_features is None:
+            del d["cpu_features"]
         if self.quant is None:
             d.pop("quant")  # unquantized artifacts read as before
         else:
@@ -119,6 +124,8 @@ class Manifest(ModelInfo):
         d["eos_ids"] = tuple(d.get("eos_ids", ()))
         if "quant" in d:
             d["quant"] = QuantSpec.from_dict(d["quant"])
+        if "cpu_features" in d:
+            d["cpu_features"] = tuple(d["cpu_features"])
         return cls(**d)  # the backend name is checked against the registry by the reader
 
 
@@ -193,6 +200,8 @@ _FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "torch_version": (lambda v: isinstance(v, str), "a string"),
     "export_seconds": (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
     "device": (lambda v: isinstance(v, str) and v in DEVICE_TYPES, f"one of {list(DEVICE_TYPES)}"),
+    "cpu_features": (lambda v: isinstance(v, list) and all(isinstance(x, str) and re.fullmatch("[a-z0-9_]{1,32}", x)
+                                                             for x in v), "a list of CPU flag names"),
 }
 _REQUIRED = ("backend", "cache_spec", "vocab_size", "programs", "members", "weights", "signatures")
 
