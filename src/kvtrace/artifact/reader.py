@@ -209,6 +209,29 @@ def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes | torch.Tensor]]:
     return manifest, blobs
 
 
+def read_member(path: Path, manifest: Manifest, name: str) -> bytes:
+    """One member of an artifact ``read_zip`` already checked, read again (a program loaded again keeps no copy of
+    its bytes meanwhile): its size and SHA-256 against the manifest, so a file changed since is refused."""
+    declared = manifest.members.get(name)
+    if declared is None:
+        raise ArtifactError(f"{path}: its manifest lists no member {name}; the artifact is inconsistent, re-export it")
+    try:
+        with zipfile.ZipFile(path) as zf:
+            info = zf.getinfo(name)
+            if info.file_size != declared["size"]:
+                raise ArtifactError(f"{path}: member {name} is {info.file_size} bytes, its manifest says "
+                                    f"{declared['size']}; the file changed since it was loaded, load it again")
+            _check_size(path, info, MEMBER_MAX_BYTES)
+            blob = _read_member(zf, info, declared["size"])
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError, zlib.error, ValueError) as e:
+        raise ArtifactError(f"{path} is no longer a readable kvtrace artifact ({clip(str(e), 200)}); it changed "
+                            "since it was loaded, load it again") from e
+    if hashlib.sha256(blob).hexdigest() != declared["sha256"]:
+        raise ArtifactError(f"{path}: member {name} does not match the SHA-256 its manifest records; the file "
+                            "changed since it was loaded, load it again")
+    return blob
+
+
 def load_weights(path: Path, blob: bytes | torch.Tensor, manifest: Manifest,
                  device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The stored weights, checked against the manifest's weight table, plus the tied aliases (the same

@@ -362,6 +362,29 @@ def _runner(so_path: str | os.PathLike[str], device: torch.device) -> Any:
     return torch._C._aoti.AOTIModelContainerRunnerCpu(os.fspath(so_path), 1)
 
 
+MADV_PAGEOUT = 21  # linux/mman.h (Linux >= 5.4)
+
+
+def _page_out(so_path: str | os.PathLike[str]) -> int:
+    """Ask Linux to reclaim the resident pages of ``so_path``'s mappings in this process; the bytes asked for.
+
+    An AOTInductor CPU container copies the constants a library embeds (aoti-packed: every weight, prepacked) into
+    its own buffer when it is created, reading the library's mapped section once: those pages would stay resident,
+    as much again as the weights, never read again. MADV_PAGEOUT is reclaim, not discard: a page read later comes
+    back from the file (a clean one) or from where reclaim wrote it (one written since), so no mapping changes
+    contents. Best effort: 0 where it is not available (not Linux, an older kernel)."""
+    target = os.path.realpath(so_path)
+    try:
+        with open("/proc/self/maps") as f:
+            spans = [tuple(int(x, 16) for x in line.split(None, 1)[0].split("-"))
+                     for line in f if line.rstrip("\n").endswith(" " + target)]
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return 0
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return sum(end - start for start, end in spans if madvise(start, end - start, MADV_PAGEOUT) == 0)
+
+
 def load_library(so_path: str | os.PathLike[str], weights: dict[str, torch.Tensor] | None,
                  probe: Sequence[torch.Tensor], device: torch.device | None = None
                  ) -> tuple[Callable[..., list[torch.Tensor]], list[torch.Tensor]]:
@@ -375,6 +398,7 @@ def load_library(so_path: str | os.PathLike[str], weights: dict[str, torch.Tenso
     import torch
 
     runner = _runner(so_path, device if device is not None else torch.device("cpu"))
+    _page_out(so_path)  # the runner copied the library's frozen weights out of it: their pages are read no more
     if weights is not None:
         names = runner.get_constant_names_to_original_fqns()  # internal name -> FQN
         runner.update_constant_buffer({n: weights[f] for n, f in names.items()}, False, True, True)
@@ -695,7 +719,17 @@ class AotiBackend(Backend):
             raise ArtifactError(f"{path}: program {name} returns {[tuple(o.shape) for o in out]}, the "
                                 f"manifest declares logits [B, T, {manifest.vocab_size}]; the artifact is "
                                 "inconsistent, re-export it")
-        return CompiledProgram(run, lambda: self._load_one(path, manifest, name, program, files, weights, device))
+        # fresh(): the library read again from the artifact (checked), not kept: a packed library holds the weights
+        return CompiledProgram(run, lambda: self._load_one(path, manifest, name, program,
+                                                           self._library(path, manifest, name), weights, device))
+
+    def _library(self, path: Path, manifest: Manifest, name: str) -> dict[str, bytes]:
+        """One program's library files, read again from the artifact ``load`` checked (``reader.read_member``)."""
+        from kvtrace.artifact.reader import read_member
+
+        compiled = self.compiled(manifest.programs, set(manifest.signatures))
+        variants = frozenset(n for n, of in self.one_row_variants.items() if of in compiled)
+        return pt2.libraries(f"{path}: {PACKAGE}", read_member(path, manifest, PACKAGE), set(compiled), variants)[name]
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         """Compiled program name -> callable, as ProgramSpec name -> callable (the inverse of ``compiled``)."""
@@ -713,7 +747,10 @@ def _library_files(files: dict[str, bytes], name: str) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f"{pt2.TEMP_PREFIX}{os.getpid()}-"))
     try:
         so = tmp / f"{name}.so"
-        so.write_bytes(files[".so"])
+        with so.open("wb") as f:  # written back before it is mapped: reclaim drops clean pages (``_page_out``)
+            f.write(files[".so"])
+            f.flush()
+            os.fdatasync(f.fileno())
         if ".json" in files:  # extern kernel nodes, read by the library's proxy executor
             (tmp / f"{name}.json").write_bytes(files[".json"])
         yield so
