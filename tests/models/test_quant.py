@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 import kvtrace
 from conftest import tiny_model
@@ -291,6 +292,29 @@ def test_head_can_stay_in_float(llama, tmp_path):
     assert _verify(llama, ("int4-nohead", art)).passed
 
 
+def test_template_ops_capture_int4_linears_with_the_op_inductor_s_template_lowers_and_restore_them():
+    """aoti-packed captures Int4Linear with aten._weight_int4pack_mm_for_cpu (Inductor's int4 GEMM template lowers
+    it; the weights are frozen in the library); every other capture keeps the quantized op (group size a buffer)."""
+    torch.manual_seed(0)
+    qv, scale, zero = q.quantize_int4(torch.randn(64, 128), 32)
+    mod = nn.Sequential(q.Int4Linear(*q.pack_int4(qv, scale, zero), 32, None)).eval()
+    x = torch.randn(3, 128)
+
+    def ops() -> set[str]:
+        ep = torch.export.export(mod, (x,))
+        return {str(n.target) for n in ep.graph.nodes if n.op == "call_function" and "int4" in str(n.target)}
+
+    plain = mod(x)
+    assert ops() == {"quantized.int4mm_packed_weight_cpu.default"}
+    with q.template_ops(mod):
+        assert ops() == {"aten._weight_int4pack_mm_for_cpu.default"}
+        assert torch.equal(mod(x), plain)  # the same kernel underneath
+    assert ops() == {"quantized.int4mm_packed_weight_cpu.default"} and "template_op" not in mod[0].__dict__
+    with pytest.raises(RuntimeError), q.template_ops(mod):
+        raise RuntimeError("capture failed")
+    assert mod[0].template_op is False
+
+
 # --- compiled backends ----------------------------------------------------------------------------------
 @pytest.mark.compile
 @pytest.mark.parametrize("backend", ["aoti", "aoti-packed"])
@@ -306,8 +330,8 @@ def test_compiled_quantized_artifacts_verify(scheme, backend, llama, q41_gguf, t
     source, model = (str(q41_gguf), load_model(q41_gguf).model) if scheme == "gguf" else (llama, llama)
     art = _export(source, tmp_path / "c.kvt", scheme, backend)
     assert art.manifest.quant.scheme == scheme
-    if backend == "aoti-packed":  # int8: decode on its own one-token program (templates specialized for one row)
-        own = scheme == "int8"
+    if backend == "aoti-packed":  # decode on its own one-token program (templates specialized for one row)
+        own = scheme in ("int8", "int4", "8da4w")
         assert art.manifest.programs["decode"].served_by == (None if own else "prefill")
         assert set(package_libraries(tmp_path / "c.kvt")) == set(art.manifest.signatures) == (
             {"step", "decode"} if own else {"step"})

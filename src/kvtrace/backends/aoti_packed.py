@@ -5,7 +5,7 @@ rows on Intel fp32 the same program compiled as for one row beside it (``ONE_ROW
 weights.safetensors is empty.
 
 A decoder whose weights are mostly in matmuls that Inductor's GEMM templates specialize for one row
-(``one_row_template``: the int8 linears) gets a second program, ``DECODE``: its decode, captured with T = 1,
+(``one_row_template``: the int8 and int4 linears) gets a second program, ``DECODE``: its decode, captured with T = 1,
 over its own copy of the frozen weights (``own_decode``). The manifest says which: decode ``served_by="prefill"``
 when the step program serves it, no ``served_by`` and a signature of its own when not. (Manifests of kvtrace
 <= 0.4.2 marked neither and signed only the step program: decode served by it.)
@@ -53,8 +53,9 @@ def own_decode(programs: Sequence[ProgramSpec], decoder: torch.nn.Module) -> boo
     The second program stores the frozen weights again (the two templates pack them differently), so it is worth
     it where one-row micro-kernels speed up most of a step. SmolLM2, 2 threads, alternated in one process (stop
     39): int8, decode 89.6-99.0 tokens/s as its own program vs 65.1-83.3 on the step's, prefill alike (the step
-    program serves it either way), artifact 245 vs 148 MB, 1.2 vs 0.73 GiB resident; int4 (its int8 head a third of its bytes), 100.0 vs
-    95.8 tokens/s, within the noise, at twice the size: not taken."""
+    program serves it either way), artifact 245 vs 148 MB. int4 / 8da4w once their linears are captured for the
+    int4 template (``models.quant.template_ops``; stop 40): decode 104.0 vs 89.1 tokens/s, prefill 34.8 vs 89.6 ms
+    (the template on the step program), artifact 222 vs 112 MB."""
     if any(p.slots for p in programs):
         return False
     seen: set[int] = set()
@@ -76,6 +77,15 @@ class AotiPackedBackend(AotiBackend):
         if own_decode(programs, decoder):
             return programs
         return tuple(dataclasses.replace(p, served_by="prefill") if p.name == "decode" else p for p in programs)
+
+    def capture(self, decoder: torch.nn.Module,
+                programs: tuple[ProgramSpec, ...]) -> dict[str, torch.export.ExportedProgram]:
+        """The standard capture, int4 linears calling the op Inductor's int4 template lowers (``template_ops``)."""
+        from kvtrace.capture.export import capture_programs
+        from kvtrace.models.quant import template_ops
+
+        with template_ops(decoder):
+            return capture_programs(decoder, programs)
 
     def compiled(self, programs: Mapping[str, T], signed: Collection[str] | None = None) -> dict[str, T]:
         """The step program (prefill's, T symbolic) and, where decode is served by no other, ``DECODE``. At load,

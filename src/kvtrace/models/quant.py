@@ -30,8 +30,9 @@ gives the same weights with float32 activations: the second route of the bf16 to
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -42,7 +43,7 @@ from kvtrace._errors import UnsupportedError
 from kvtrace.spec.quant import QuantSpec
 
 __all__ = ["DequantLinear", "GGUFEmbedding", "GGUFLinear", "GGUFRows", "Int4Linear", "Int8Embedding", "Int8Linear",
-           "dequantize_int4", "pack_int4", "quantize_decoder", "quantize_int4", "quantize_int8"]
+           "dequantize_int4", "pack_int4", "quantize_decoder", "quantize_int4", "quantize_int8", "template_ops"]
 
 BF16 = torch.bfloat16
 # gguf: a lookup from a float32 weight [N, K] to its GGUF blocks: (format, q [N, K/32, 32], d [N, K/32], m or None),
@@ -152,6 +153,15 @@ class Int4Linear(nn.Module):
     """y = x @ W.T (+ bias), W = (q - 8) * scale + zero per group of ``group_size`` input features, in the CPU
     int4pack layout; bf16 activations (8da4w: each row quantized to int8 first)."""
 
+    # Captured for a frozen program (aoti-packed, ``template_ops``), this calls the aten op, which Inductor's CPU
+    # int4 GEMM template lowers, picking its micro-kernel by the row count as it does for int8: so a decoder mostly of
+    # these gets its own decode program too (``backends.aoti_packed.own_decode``). SmolLM2 int4, 2 threads,
+    # alternated in one process (stop 40): the template with decode on its own program, prefill of 37 tokens 34.8 ms
+    # and decode 104.0 tokens/s, against 89.6 ms / 89.1 for the kernel on one program (and 92.9 / 97.2 for the kernel
+    # with its own decode; the template on the one T-symbolic program decodes at 58.3).
+    one_row_template = True
+    template_op = False  # True while ``template_ops`` captures it
+
     def __init__(self, weight: torch.Tensor, scale_zeros: torch.Tensor, group_size: int, bias: torch.Tensor | None,
                  act_int8: bool = False):
         super().__init__()
@@ -170,9 +180,31 @@ class Int4Linear(nn.Module):
         # quantized::int4mm_packed_weight_cpu is aten._weight_int4pack_mm_for_cpu with the group size as a tensor:
         # Inductor lowers the aten op by creating that tensor as a constant of its own, which an AOTInductor
         # library built without its weights then expects from the caller; as a buffer it is stored with the rest
-        y = torch.ops.quantized.int4mm_packed_weight_cpu(rows.to(BF16), self.weight, self.group, self.scale_zeros)
+        if self.template_op:  # the weights frozen into the library with the program: no caller-side constant
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(BF16), self.weight, self.group_size, self.scale_zeros)
+        else:
+            y = torch.ops.quantized.int4mm_packed_weight_cpu(rows.to(BF16), self.weight, self.group, self.scale_zeros)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+@contextlib.contextmanager
+def template_ops(decoder: nn.Module) -> Iterator[None]:
+    """While captured inside this, ``decoder``'s Int4Linear modules call ``aten._weight_int4pack_mm_for_cpu``, the op
+    Inductor's int4 GEMM template lowers; for programs whose weights are frozen into the library (aoti-packed):
+    the aten op takes the group size as an int, which Inductor turns into a constant of its own, one a library built
+    without its weights (``aoti``) would then expect from the caller. Restored on exit, also on error."""
+    mods = [(m, m.__dict__.get("template_op")) for m in decoder.modules() if isinstance(m, Int4Linear)]
+    for m, _ in mods:
+        m.template_op = True
+    try:
+        yield
+    finally:
+        for m, before in mods:
+            if before is None:
+                del m.template_op  # the class's False again
+            else:
+                m.template_op = before
 
 
 LANES = 32  # GGUFLinear's output tile: 32 output features side by side, so decode's reduction is vertical
