@@ -75,11 +75,17 @@ def test_gguf_native_q4_1_aoti_computes_with_the_gguf_numbers(smol, prompts, tmp
     assert path.stat().st_size <= 0.35 * FP32_WEIGHT_BYTES  # 1 byte per 4-bit value (unpacked) + float16 d, m
 
 
-def test_int4_aoti_verifies_against_the_same_int4_weights(smol, prompts, tmp_path):
-    path = kvtrace.export("smollm2-135m-instruct", tmp_path / "int4.kvt", max_seq_len=256, backend="aoti",
+@pytest.mark.parametrize("backend", ["aoti", "aoti-packed"])
+def test_int4_verifies_against_the_same_int4_weights(smol, prompts, tmp_path, backend):
+    """aoti: torch's int4 kernel; aoti-packed: Inductor's int4 GEMM template (``models.quant.template_ops``), which
+    dequantizes to bf16 blocks, on a step program and a one-token decode program of its own."""
+    path = kvtrace.export("smollm2-135m-instruct", tmp_path / "int4.kvt", max_seq_len=256, backend=backend,
                           quant="int4", prefill_logits="last")
     art = kvtrace.load(path)
-    report = _check(smol, prompts, art, "aoti-int4", steps=8)
+    report = _check(smol, prompts, art, f"{backend}-int4", steps=8)
     (s,) = report.summary()
     assert s["reference"] == "decoder-eager-int4-g32"
-    assert path.stat().st_size <= 0.2 * FP32_WEIGHT_BYTES  # 4-bit linears + bf16 scales/zeros + an int8 head
+    if backend == "aoti":
+        assert path.stat().st_size <= 0.2 * FP32_WEIGHT_BYTES  # 4-bit linears + bf16 scales/zeros + an int8 head
+    else:
+        assert art.manifest.programs["decode"].served_by is None and set(art.manifest.signatures) == {"step", "decode"}

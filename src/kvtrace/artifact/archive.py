@@ -52,6 +52,7 @@ builds and checks its own programs); this one holds ``Artifact`` and ``load``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -264,7 +265,8 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
     reader.check_signatures(path, manifest)
     keepalive: list[Any] = [weights]
     try:
-        programs = registry.get(manifest.backend).load(path, manifest, blobs, weights, device=dev)
+        programs = registry.get(manifest.backend).load(path, manifest, blobs, weights, device=dev,
+                                                       reread=functools.partial(reader.read_member, path, manifest))
     except ArtifactError:
         raise
     except Exception as e:

@@ -681,7 +681,8 @@ class AotiBackend(Backend):
         return {PACKAGE}
 
     def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
+             weights: dict[str, torch.Tensor], device: torch.device | None = None,
+             reread: Callable[[str], bytes] | None = None) -> dict[str, Program]:
         import torch
 
         device = device if device is not None else torch.device("cpu")
@@ -696,12 +697,14 @@ class AotiBackend(Backend):
             if not self.packs_weights:
                 with _library_files(libraries[name], name) as so:
                     _check_constants(path, name, compiled_constants(so, str(device)), weights)
-            loaded[name] = self._load_one(path, manifest, name, program, libraries[name], weights, device, cache)
+            loaded[name] = self._load_one(path, manifest, name, program, libraries[name], weights, device, cache,
+                                          reread)
         return self.serve(loaded, manifest)
 
     def _load_one(self, path: Path, manifest: Manifest, name: str, program: ProgramSpec, files: dict[str, bytes],
                   weights: dict[str, torch.Tensor], device: torch.device,
-                  cache: list[torch.Tensor] | None = None) -> CompiledProgram:
+                  cache: list[torch.Tensor] | None = None,
+                  reread: Callable[[str], bytes] | None = None) -> CompiledProgram:
         """Load one program's library (checked by ``load``) and probe it; ``fresh()`` does this again."""
         from kvtrace.spec.manifest import clip
 
@@ -719,17 +722,18 @@ class AotiBackend(Backend):
             raise ArtifactError(f"{path}: program {name} returns {[tuple(o.shape) for o in out]}, the "
                                 f"manifest declares logits [B, T, {manifest.vocab_size}]; the artifact is "
                                 "inconsistent, re-export it")
+        if reread is None:
+            return CompiledProgram(run)
         # fresh(): the library read again from the artifact (checked), not kept: a packed library holds the weights
         return CompiledProgram(run, lambda: self._load_one(path, manifest, name, program,
-                                                           self._library(path, manifest, name), weights, device))
+                                                           self._library(path, manifest, name, reread), weights,
+                                                           device, reread=reread))
 
-    def _library(self, path: Path, manifest: Manifest, name: str) -> dict[str, bytes]:
-        """One program's library files, read again from the artifact ``load`` checked (``reader.read_member``)."""
-        from kvtrace.artifact.reader import read_member
-
+    def _library(self, path: Path, manifest: Manifest, name: str, reread: Callable[[str], bytes]) -> dict[str, bytes]:
+        """One program's library files, read again from the artifact ``load`` checked."""
         compiled = self.compiled(manifest.programs, set(manifest.signatures))
         variants = frozenset(n for n, of in self.one_row_variants.items() if of in compiled)
-        return pt2.libraries(f"{path}: {PACKAGE}", read_member(path, manifest, PACKAGE), set(compiled), variants)[name]
+        return pt2.libraries(f"{path}: {PACKAGE}", reread(PACKAGE), set(compiled), variants)[name]
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         """Compiled program name -> callable, as ProgramSpec name -> callable (the inverse of ``compiled``)."""

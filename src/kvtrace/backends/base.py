@@ -97,13 +97,16 @@ class Backend:
         """Backend-specific consistency of a manifest, checked before any member is parsed."""
 
     def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
+             weights: dict[str, torch.Tensor], device: torch.device | None = None,
+             reread: Callable[[str], bytes] | None = None) -> dict[str, Program]:
         """ProgramSpec name -> callable, from the (hash-checked) ``blobs`` and ``weights`` (checked against the
         manifest's weight table, already on ``device``: where the programs run, of the type
         ``manifest.device`` names; None: CPU). Raises ArtifactError when a program disagrees with the manifest.
 
         A program may also have ``fresh()``: another instance of itself with its own runtime state over the
-        same weights (``aoti.CompiledProgram``); CUDA-graph capture takes one per graph when it exists."""
+        same weights (``aoti.CompiledProgram``); CUDA-graph capture takes one per graph when it exists. It reads
+        what it needs again through ``reread`` (member name -> bytes, checked against the manifest again), so no
+        program keeps a member's bytes alive; None: no ``fresh()``."""
         raise NotImplementedError
 
     def bind(self, programs: dict[str, Program],

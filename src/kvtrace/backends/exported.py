@@ -10,7 +10,7 @@ placeholders against the manifest: the weights it reads (names, shapes, dtypes),
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,8 @@ class ExportedBackend(Backend):
         return {_member(p) for p in programs}
 
     def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
+             weights: dict[str, torch.Tensor], device: torch.device | None = None,
+             reread: Callable[[str], bytes] | None = None) -> dict[str, Program]:
         return {p: _program(path, p, blobs[_member(p)], weights, manifest) for p in manifest.programs}
 
 
