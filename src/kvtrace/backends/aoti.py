@@ -754,7 +754,7 @@ def _library_files(files: dict[str, bytes], name: str) -> Iterator[Path]:
         with so.open("wb") as f:  # written back before it is mapped: reclaim drops clean pages (``_page_out``)
             f.write(files[".so"])
             f.flush()
-            os.fdatasync(f.fileno())
+            getattr(os, "fdatasync", os.fsync)(f.fileno())  # macOS has fsync only
         if ".json" in files:  # extern kernel nodes, read by the library's proxy executor
             (tmp / f"{name}.json").write_bytes(files[".json"])
         yield so
