@@ -73,7 +73,7 @@ def test_the_extensions_are_read_from_what_the_compiler_enables(tmp_path, monkey
 
 def test_this_machine_reads_its_own_flags():
     flags = cpu_isa.cpu_flags()
-    if flags is None:
+    if flags is None:  # off x86 Linux the check is off by design (nothing recorded); the other tests fake the flags
         pytest.skip("not an x86 Linux machine: no /proc/cpuinfo flags to read (the check is off there)")
     assert "sse2" in flags  # every x86-64 CPU
     assert cpu_isa.missing_features(sorted(flags & set(cpu_isa.GCC_TO_CPUINFO.values()))) == []

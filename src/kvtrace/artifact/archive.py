@@ -12,7 +12,7 @@ repetitive graph metadata and would otherwise outweigh a small model's weights):
     programs/aoti.pt2        backend "aoti": AOTInductor package with one model per compiled program (a
                              decode ``served_by`` prefill has none: prefill's model, T symbolic, runs it);
                              backend "aoti-packed": one model ("step", T symbolic) serving prefill and
-                             decode (an int8 decoder's decode: a model of its own, "decode"), its weights
+                             decode (an int8 / int4 decoder's decode: a model of its own, "decode"), its weights
                              frozen and prepacked inside (weights.safetensors is empty)
 
 Trust model. ``exported`` programs are data: a graph of torch operators (torch's verifier refuses any
@@ -202,7 +202,7 @@ def _check_cpu_features(path: Path, manifest: Manifest) -> None:
             f"{path}: its {manifest.backend} programs were compiled for a CPU with {', '.join(missing)}, which this "
             f"CPU lacks: their first call would die of an illegal instruction. Re-export it on this machine "
             "(cached artifacts are rebuilt by `kvtrace generate`), or build it for a baseline CPU "
-            "(TORCHINDUCTOR_CPP_MARCH, e.g. x86-64-v3) on a machine whose CPU this one matches")
+            "(TORCHINDUCTOR_CPP_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 kvtrace export ...)")
 
 
 def _check_int4_layout(path: Path, manifest: Manifest) -> None:

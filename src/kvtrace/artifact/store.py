@@ -52,14 +52,14 @@ def artifact_key(digest: str, *, backend: str, max_seq_len: int, dtype: str, bat
     from kvtrace.backends import registry
     from kvtrace.backends.cpu_isa import fingerprint
 
-    native = registry.get(backend).native_code  # compiled for this CPU (-march=native; a CUDA library's host code too)
-    blob = json.dumps([digest, registry.get(backend).name, max_seq_len, dtype, batch_size, __version__, VERSION, torch.__version__,
+    chosen = registry.get(backend)  # native code is compiled for this CPU (-march=native; a CUDA library's host code too)
+    blob = json.dumps([digest, chosen.name, max_seq_len, dtype, batch_size, __version__, VERSION, torch.__version__,
                        *([] if prefill_logits == "all" else [prefill_logits]),
                        *([] if kv_dtype in (None, "auto") else [f"kv_dtype={kv_dtype}"]),
                        *([] if device == "cpu" else [f"device={device}"]),  # a CPU entry's key as before
                        *([] if quant is None else [f"quant={quant}"]),
                        *([] if slots is None else [f"slots={slots}"]),
-                       *([f"cpu={fingerprint()}"] if native else [])])
+                       *([f"cpu={fingerprint()}"] if chosen.native_code else [])])
     return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
 

@@ -687,9 +687,15 @@ class AotiBackend(Backend):
 
         device = device if device is not None else torch.device("cpu")
         compiled = self.compiled(manifest.programs, set(manifest.signatures))
-        variants = {n: of for n, of in self.one_row_variants.items() if of in compiled}
-        libraries = pt2.libraries(f"{path}: {PACKAGE}", blobs[PACKAGE], set(compiled), frozenset(variants))
-        variants = {n: of for n, of in variants.items() if n in libraries}  # those this package holds
+        optional = frozenset(n for n, of in self.one_row_variants.items() if of in compiled)
+
+        def files(blob: bytes) -> dict[str, dict[str, bytes]]:
+            return pt2.libraries(f"{path}: {PACKAGE}", blob, set(compiled), optional)
+
+        libraries = files(blobs[PACKAGE])
+        # fresh(): the library read again from the artifact (checked), not kept: a packed library holds the weights
+        again = None if reread is None else (lambda name: files(reread(PACKAGE))[name])
+        variants = {n: self.one_row_variants[n] for n in optional if n in libraries}  # those this package holds
         pt2.remove_stale_dirs()
         cache = manifest.cache_spec.allocate(device)  # one scratch cache for every probe
         loaded = {}
@@ -698,14 +704,15 @@ class AotiBackend(Backend):
                 with _library_files(libraries[name], name) as so:
                     _check_constants(path, name, compiled_constants(so, str(device)), weights)
             loaded[name] = self._load_one(path, manifest, name, program, libraries[name], weights, device, cache,
-                                          reread)
+                                          again)
         return self.serve(loaded, manifest)
 
     def _load_one(self, path: Path, manifest: Manifest, name: str, program: ProgramSpec, files: dict[str, bytes],
                   weights: dict[str, torch.Tensor], device: torch.device,
                   cache: list[torch.Tensor] | None = None,
-                  reread: Callable[[str], bytes] | None = None) -> CompiledProgram:
-        """Load one program's library (checked by ``load``) and probe it; ``fresh()`` does this again."""
+                  again: Callable[[str], dict[str, bytes]] | None = None) -> CompiledProgram:
+        """Load one program's library (checked by ``load``) and probe it; ``fresh()`` does this again, over the
+        library files ``again(name)`` reads (None: no ``fresh()``)."""
         from kvtrace.spec.manifest import clip
 
         scratch = cache if cache is not None else manifest.cache_spec.allocate(device)
@@ -722,18 +729,10 @@ class AotiBackend(Backend):
             raise ArtifactError(f"{path}: program {name} returns {[tuple(o.shape) for o in out]}, the "
                                 f"manifest declares logits [B, T, {manifest.vocab_size}]; the artifact is "
                                 "inconsistent, re-export it")
-        if reread is None:
+        if again is None:
             return CompiledProgram(run)
-        # fresh(): the library read again from the artifact (checked), not kept: a packed library holds the weights
-        return CompiledProgram(run, lambda: self._load_one(path, manifest, name, program,
-                                                           self._library(path, manifest, name, reread), weights,
-                                                           device, reread=reread))
-
-    def _library(self, path: Path, manifest: Manifest, name: str, reread: Callable[[str], bytes]) -> dict[str, bytes]:
-        """One program's library files, read again from the artifact ``load`` checked."""
-        compiled = self.compiled(manifest.programs, set(manifest.signatures))
-        variants = frozenset(n for n, of in self.one_row_variants.items() if of in compiled)
-        return pt2.libraries(f"{path}: {PACKAGE}", reread(PACKAGE), set(compiled), variants)[name]
+        return CompiledProgram(run, lambda: self._load_one(path, manifest, name, program, again(name), weights,
+                                                           device, again=again))
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         """Compiled program name -> callable, as ProgramSpec name -> callable (the inverse of ``compiled``)."""

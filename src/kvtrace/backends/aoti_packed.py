@@ -132,5 +132,6 @@ class ByRows:
 
 AOTI_PACKED = AotiPackedBackend(
     "aoti-packed", "AOTInductor with frozen, prepacked weights and CPU GEMM templates (fastest decode, slowest "
-    "compile); one program serves prefill and decode (int8 decoders: decode on its own)", native_code=True, packs_weights=True, one_program=True,
+    "compile); one program serves prefill and decode (int8 / int4 decoders: decode on its own)", native_code=True,
+    packs_weights=True, one_program=True,
     no_compile_cache=True)

@@ -9,7 +9,7 @@ Capabilities (fixed per backend; ``tests/backends`` holds each one against what 
   * ``native_code``: loading dlopens a compiled library from the file (trust it: ``expected_sha256``);
   * ``packs_weights``: the weights are frozen into the program, so the artifact stores none;
   * ``one_program``: one program (T symbolic) serves prefill and decode, but where the backend compiles decode on
-    its own for a decoder and says so in its ProgramSpecs (aoti-packed: a decoder mostly of int8 linears,
+    its own for a decoder and says so in its ProgramSpecs (aoti-packed: a decoder mostly of int8 / int4 linears,
     ``aoti_packed.own_decode``); ``compiled`` maps the decoder's ProgramSpecs to the programs actually captured,
     compiled and signed (a backend may also share per decoder, saying so in the ProgramSpecs it captures:
     ``aoti``'s and ``aoti-packed``'s decode ``served_by`` prefill);
