@@ -94,3 +94,71 @@ def test_headers_that_do_not_parse_are_refused():
         reader._safetensors_views(torch.frombuffer(bytearray(struct.pack("<Q", 2) + b"{]"), dtype=torch.uint8))
     with pytest.raises(ValueError, match="not a JSON object"):
         reader._safetensors_views(torch.frombuffer(bytearray(struct.pack("<Q", 2) + b"[]"), dtype=torch.uint8))
+
+
+# --- a member its backend reads as a file: copied out in chunks, hashed as it goes ----------------------------
+def _member(path: Path, blob: bytes, method: int, level: int = 1) -> reader.Member:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("first.txt", b"x" * 37)
+        zf.writestr("programs/p.pt2", blob, compress_type=method, compresslevel=level)
+    return reader.Member(path, "programs/p.pt2", len(blob), hashlib.sha256(blob).hexdigest())
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_a_member_spills_to_a_file_chunk_by_chunk_never_whole_in_memory(tmp_path, monkeypatch, method):
+    import tracemalloc
+
+    monkeypatch.setattr(reader, "_SPILL_CHUNK", 64 << 10)
+    blob = torch.randint(0, 4, (8 << 20,), dtype=torch.uint8).numpy().tobytes()  # 8 MiB, deflates ~3x
+    member = _member(tmp_path / "a.zip", blob, method)
+    tracemalloc.start()
+    try:
+        out = member.spill(tmp_path / "copy")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out == tmp_path / "copy" and out.read_bytes() == blob
+    assert peak < len(blob) // 8, f"spilling held {peak} bytes at once of an {len(blob)}-byte member"
+
+
+@pytest.mark.parametrize("method", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_a_spilled_member_that_is_not_the_manifests_is_refused_and_its_copy_removed(tmp_path, method):
+    blob = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8).numpy().tobytes()
+    member = _member(tmp_path / "a.zip", blob, method)
+    assert member.spill(tmp_path / "copy").read_bytes() == blob
+    (tmp_path / "copy").unlink()
+    other = reader.Member(member.path, member.name, member.size, hashlib.sha256(b"another").hexdigest())
+    with pytest.raises(ArtifactError, match="does not match the SHA-256 its manifest records; the file is corrupt"):
+        other.spill(tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+    with pytest.raises(ArtifactError, match="the file changed since it was loaded, load it again"):
+        other.spill(tmp_path / "copy", again=True)  # fresh(): a copy made after load
+    shorter = reader.Member(member.path, member.name, member.size - 1, member.sha256)
+    with pytest.raises(ArtifactError, match=rf"is {len(blob)} bytes, its manifest says {len(blob) - 1}"):
+        shorter.spill(tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+
+
+def test_a_deflated_member_that_inflates_past_or_short_of_its_size_is_refused(tmp_path):
+    import zlib
+
+    def data(n: int) -> bytes:
+        return torch.randint(0, 4, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)).numpy().tobytes()
+
+    blob = data(200_000)
+    member = _member(tmp_path / "a.zip", blob, zipfile.ZIP_DEFLATED, level=0)  # deflate's stored blocks: room to spare
+    with zipfile.ZipFile(member.path) as zf:
+        info = zf.getinfo(member.name)
+    start = info.header_offset + 30 + len(member.name) + len(info.extra)
+    raw = member.path.read_bytes()
+    for payload, match in [(data(210_000), "inflates past its declared 200000 bytes"),  # longer than the directory
+                           (data(190_000), r"ends after \d+ of its 200000 bytes; the file is truncated or corrupt")]:
+        deflate = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+        stream = deflate.compress(payload) + deflate.flush()
+        assert len(stream) <= info.compress_size  # fits the member's bytes: only the directory's size disagrees
+        bad = bytearray(raw)
+        bad[start : start + len(stream)] = stream
+        (tmp_path / "bad.zip").write_bytes(bad)
+        with pytest.raises(ArtifactError, match=match):
+            reader.Member(tmp_path / "bad.zip", member.name, member.size, member.sha256).spill(tmp_path / "copy")
+        assert not (tmp_path / "copy").exists()

@@ -2,7 +2,10 @@
 CPU container copies them out when it is created, so a loaded program held the weights three times: the library's
 bytes (kept for ``fresh()``), its mapped pages (read by that copy) and the copy (SmolLM2 int8 with its own decode
 program: 1227 MiB resident after load, 590 MiB now). ``fresh()`` now reads the library again from the artifact,
-checked, and the library's pages are handed back to the kernel once copied (``aoti._page_out``)."""
+checked, and the library's pages are handed back to the kernel once copied (``aoti._page_out``). Loading copies the
+package from the artifact to disk chunk by chunk (``reader.Member.spill``) and the libraries out of it by the kernel,
+so no step holds a package whole in memory (SmolLM2 fp32 packed: peak 2336 -> 1302 MiB), and a packed package is
+stored, not deflated (its load 6.6 -> 2.2 s)."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import kvtrace
 from conftest import tiny_model
 from kvtrace._errors import ArtifactError
+from kvtrace.artifact import reader
 from kvtrace.backends import aoti
 
 MIB = 1 << 20
@@ -77,6 +81,9 @@ def _call(art, program) -> torch.Tensor:
 
 @pytest.mark.compile
 def test_a_fresh_program_is_read_again_from_the_artifact_and_refused_if_it_changed(packed, tmp_path):
+    import shutil
+
+    packed = shutil.copy(packed, tmp_path / "packed.kvt")  # changed below: the module's artifact stays whole
     art = kvtrace.load(packed)
     program = art._programs["decode"]
     first = _call(art, program)
@@ -96,3 +103,26 @@ def test_a_fresh_program_is_read_again_from_the_artifact_and_refused_if_it_chang
     with pytest.raises(ArtifactError, match="changed since it was loaded, load it again"):
         program.fresh()
     assert torch.equal(_call(art, program), first)
+
+
+@pytest.mark.compile
+def test_a_packed_package_is_stored_and_loading_never_holds_it_whole_in_memory(packed, monkeypatch):
+    import tracemalloc
+
+    with zipfile.ZipFile(packed) as zf:
+        info = zf.getinfo(aoti.PACKAGE)
+    assert info.compress_type == zipfile.ZIP_STORED  # embeds the weights: inflating them would cost every load
+    kvtrace.load(packed)  # imports and one-time setup out of the measurement
+    monkeypatch.setattr(reader, "_SPILL_CHUNK", 64 << 10)
+    tracemalloc.start()
+    try:
+        art = kvtrace.load(packed)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < info.file_size // 4, f"loading held {peak} bytes at once of a {info.file_size}-byte package"
+    m = art.manifest
+    with torch.inference_mode():  # and it runs
+        logits = art._programs["decode"](*aoti._probe_inputs(m, m.programs["decode"],
+                                                                m.cache_spec.allocate(torch.device("cpu"))))
+    assert logits.shape[-1] == m.vocab_size and torch.isfinite(logits).all()

@@ -1,7 +1,8 @@
 """The artifact: one file holding programs, weights (once), cache spec, manifest and tokenizer.
 
 Layout (a zip archive; weights stored uncompressed, programs deflated: a serialized program is mostly
-repetitive graph metadata and would otherwise outweigh a small model's weights)::
+repetitive graph metadata and would otherwise outweigh a small model's weights; programs that embed the
+weights (aoti-packed) stored, as inflating them would cost every load seconds: ``write.write_artifact``)::
 
     manifest.json            versioned Manifest (below), plain JSON: the root every other member is checked against
     weights.safetensors      every weight once, shared by all programs
@@ -29,7 +30,8 @@ What ``load`` checks before the first program call, each failure one ``ArtifactE
     size, under a ceiling and a compression-ratio bound, read through a bounded stream (no zip bomb);
   * the SHA-256 of every member (recorded at export) before the member is used (the stored weights member is
     read straight from the file, its local header checked as zipfile checks it, into one 64-byte aligned
-    buffer whose views are the weights: see ``reader``);
+    buffer whose views are the weights; a member the backend reads as a file, e.g. the AOTInductor package,
+    is hashed as it is copied out to disk, chunk by chunk, and refused before anything opens it: see ``reader``);
   * the manifest's fields and types; the weights against the manifest's weight table (names, shapes,
     dtypes) and its aliases;
   * native code (aoti, aoti-packed): the CPU extensions its libraries may execute (``Manifest.cpu_features``,
@@ -52,7 +54,6 @@ builds and checks its own programs); this one holds ``Artifact`` and ``load``.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -265,8 +266,7 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
     reader.check_signatures(path, manifest)
     keepalive: list[Any] = [weights]
     try:
-        programs = registry.get(manifest.backend).load(path, manifest, blobs, weights, device=dev,
-                                                       reread=functools.partial(reader.read_member, path, manifest))
+        programs = registry.get(manifest.backend).load(path, manifest, blobs, weights, device=dev)
     except ArtifactError:
         raise
     except Exception as e:

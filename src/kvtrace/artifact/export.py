@@ -297,7 +297,8 @@ def export(
             f"exporting {info.model_name or type(decoder).__name__} failed ({backend}): {one_line(e)}"
         ) from e
     unique, aliases = ({}, {}) if chosen.packs_weights else dedupe_weights(weights)  # packed: in the program
-    return write_artifact(path, manifest(aliases), unique, files, tokenizer_json)
+    return write_artifact(path, manifest(aliases), unique, files, tokenizer_json,
+                          deflate_programs=not chosen.packs_weights)
 
 
 def make_manifest(backend: str, decoder: torch.nn.Module, info: ModelInfo, programs: tuple[ProgramSpec, ...],

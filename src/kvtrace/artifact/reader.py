@@ -7,6 +7,12 @@ size and compression ratio are bounded; every member's SHA-256 is checked before
 The weights member (stored, not deflated) is read straight from the file into one 64-byte aligned buffer,
 hashed in a second thread while the next chunk is read, and its tensors are views of that buffer: one copy
 of the weights, not three (zipfile's bytes, safetensors' tensors, and the page faults of each).
+
+A member its backend reads as a file (``Backend.file_members``: a compiled program package, hundreds of MB
+when it embeds packed weights) is not read by ``read_zip``, only bounded: it comes back as a ``Member``
+whose ``spill`` copies it to a file of the backend's, inflated and hashed chunk by chunk, and refuses it
+(the copy removed) unless its SHA-256 is the manifest's, before the backend opens it. It is never whole
+in memory, so loading a packed program peaks at what the loaded program holds, not three times that.
 """
 
 from __future__ import annotations
@@ -18,9 +24,10 @@ import re
 import struct
 import zipfile
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 
@@ -38,7 +45,7 @@ from kvtrace.spec.manifest import (
     short,
 )
 
-__all__ = ["check_file_hash", "check_signatures", "load_weights", "read_zip"]
+__all__ = ["Member", "check_file_hash", "check_signatures", "load_weights", "read_zip"]
 
 MANIFEST_MAX_BYTES = 16 << 20  # chat templates and signatures are small; a bigger manifest is not ours
 MEMBER_MAX_BYTES = 1 << 40  # no single member of a real artifact comes near 1 TiB
@@ -46,6 +53,7 @@ MAX_RATIO = 100  # uncompressed / compressed per member: programs deflate ~3-15x
 MAX_MEMBERS = 1024  # an artifact has a handful; a directory of millions would cost GBs to parse
 _CHUNK = 1 << 20
 _WEIGHTS_CHUNK = 32 << 20  # read one while the previous one is hashed
+_SPILL_CHUNK = 4 << 20  # a spilled member's copy: one chunk inflated and written while the previous one is hashed
 _ALIGN = 64  # Inductor's ALIGN_BYTES: where torch's allocator puts every tensor, and so every weight here
 # safetensors dtype names -> torch dtypes (what safetensors.torch.save writes)
 _ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -92,21 +100,29 @@ def _check_size(path: Path, info: zipfile.ZipInfo, limit: int) -> None:
             f"(at most {limit} bytes and {MAX_RATIO}x compression allowed); refusing to decompress it (a zip bomb?)")
 
 
-def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int) -> tuple[torch.Tensor, str]:
-    """A stored member's ``size`` bytes (its size in the directory, checked against the manifest) as a uint8
-    tensor placed so that a safetensors data section (the bytes after its header) starts 64-byte aligned, and
-    their SHA-256 (which replaces zipfile's CRC check: the manifest's hash is the stronger one). The local
-    header is checked as zipfile checks it: signature, name, no encryption, stored."""
+def _seek_data(path: Path, f: BinaryIO, info: zipfile.ZipInfo) -> None:
+    """Position ``f`` at the first byte of ``info``'s data, its local header checked as zipfile checks it:
+    signature, name, no encryption, the directory's compression method."""
     f.seek(info.header_offset)
     head = f.read(30)
     if len(head) != 30 or head[:4] != b"PK\x03\x04":
         raise ArtifactError(f"{path}: the local header of {info.filename} is missing or damaged; the file is corrupt")
     flags, method, name_len, extra_len = struct.unpack("<2xHH16xHH", head[4:])
     name = f.read(name_len)
-    if name.decode("utf-8" if flags & 0x800 else "cp437", "replace") != info.filename or flags & 1 or method != 0:
+    if (name.decode("utf-8" if flags & 0x800 else "cp437", "replace") != info.filename or flags & 1
+            or method != info.compress_type):
         raise ArtifactError(f"{path}: the local header of {info.filename} disagrees with the zip directory (name "
                             f"{short(name.decode('utf-8', 'replace'))}, method {method}, flags {flags:#x}); the file is corrupt")
     f.seek(extra_len, 1)
+
+
+def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int) -> tuple[torch.Tensor, str]:
+    """A stored member's ``size`` bytes (its size in the directory, checked against the manifest) as a uint8
+    tensor placed so that a safetensors data section (the bytes after its header) starts 64-byte aligned, and
+    their SHA-256 (which replaces zipfile's CRC check: the manifest's hash is the stronger one). The local
+    header is checked as zipfile checks it: signature, name, no encryption, stored (``read_zip`` sends only
+    stored weights here)."""
+    _seek_data(path, f, info)
     available = os.fstat(f.fileno()).st_size - f.tell()
     if available < size:  # before allocating: a directory may claim any size for a short file
         raise ArtifactError(f"{path}: {info.filename} ends after {max(available, 0)} of its {size} bytes; the file is "
@@ -139,9 +155,91 @@ def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int) -> t
     return out, h.hexdigest()
 
 
-def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes | torch.Tensor]]:
+def _copy_hashed(path: Path, f: BinaryIO, info: zipfile.ZipInfo, out: BinaryIO) -> str:
+    """Write ``info``'s data (inflated if deflated) to ``out`` in chunks, each hashed in a second thread while
+    the next is read and inflated (zlib and hashlib release the GIL); its SHA-256. Never more than the
+    directory's ``file_size`` (a longer stream is refused as it comes), never fewer."""
+    _seek_data(path, f, info)
+    inflate = zlib.decompressobj(-zlib.MAX_WBITS) if info.compress_type == zipfile.ZIP_DEFLATED else None
+    h, left, written = hashlib.sha256(), info.compress_size, 0
+    pending: Future[Any] | None = None
+
+    def emit(chunk: bytes) -> None:
+        nonlocal pending, written
+        if not chunk:
+            return
+        written += len(chunk)
+        if written > info.file_size:
+            raise ArtifactError(f"{path}: {info.filename} inflates past its declared {info.file_size} bytes; the "
+                                "file is corrupt")
+        out.write(chunk)
+        if pending is not None:
+            pending.result()
+        pending = pool.submit(h.update, chunk)
+
+    with ThreadPoolExecutor(1) as pool:
+        while left:
+            raw = f.read(min(_SPILL_CHUNK, left))
+            if not raw:
+                break
+            left -= len(raw)
+            if inflate is None:
+                emit(raw)
+                continue
+            while raw:  # at most one chunk out per call: a small input cannot balloon in memory
+                emit(inflate.decompress(raw, _SPILL_CHUNK))
+                raw = inflate.unconsumed_tail
+        if inflate is not None and not inflate.eof:
+            emit(inflate.flush())
+        if pending is not None:
+            pending.result()
+    if written != info.file_size or (inflate is not None and not inflate.eof):
+        raise ArtifactError(f"{path}: {info.filename} ends after {written} of its {info.file_size} bytes; the file is "
+                            "truncated or corrupt, re-export it")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member ``read_zip`` left in the artifact for its backend to copy out as a file (``file_members``),
+    its size already checked against the manifest and the zip directory; ``sha256``: the manifest's."""
+
+    path: Path  # the artifact
+    name: str
+    size: int
+    sha256: str
+
+    def spill(self, dest: Path, *, again: bool = False) -> Path:
+        """Copy the member to ``dest`` (a new file), inflated and hashed as it goes (``_copy_hashed``); ``dest``
+        once its SHA-256 is the manifest's. Otherwise ArtifactError, ``dest`` removed. ``again``: this is a
+        copy made after the artifact was loaded (``fresh()``), so a difference means the file changed since."""
+        fix = ("the file changed since it was loaded, load it again" if again
+               else "the file is corrupt or was altered, re-export it")
+        try:
+            with zipfile.ZipFile(self.path) as zf:
+                info = zf.getinfo(self.name)
+                if info.file_size != self.size:
+                    raise ArtifactError(f"{self.path}: member {self.name} is {info.file_size} bytes, its manifest says "
+                                        f"{self.size}; {fix}")
+                _check_size(self.path, info, MEMBER_MAX_BYTES)
+                with self.path.open("rb") as f, dest.open("xb") as out:
+                    digest = _copy_hashed(self.path, f, info, out)
+            if digest != self.sha256:
+                raise ArtifactError(f"{self.path}: member {self.name} does not match the SHA-256 its manifest records; "
+                                    f"{fix}")
+        except BaseException as e:
+            dest.unlink(missing_ok=True)
+            if isinstance(e, (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError, zlib.error,
+                              ValueError)):
+                raise ArtifactError(f"{self.path} is not a readable kvtrace artifact ({clip(str(e), 200)}); {fix}") from e
+            raise
+        return dest
+
+
+def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes | torch.Tensor | Member]]:
     """The manifest and every member, checked (see the module docstring): the weights member as a uint8
-    tensor (``_read_stored``), every other one as bytes."""
+    tensor (``_read_stored``), a member the backend reads as a file (``Backend.file_members``) as a ``Member``
+    (bounded here, hashed when it is copied out), every other one as bytes."""
     if path.is_dir():
         raise UsageError(f"artifact path {path} is a directory; expected an artifact file written by `kvtrace export`")
     if not path.is_file():
@@ -189,9 +287,13 @@ def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes | torch.Tensor]]:
                     raise ArtifactError(f"{path}: member {name} is {info.file_size} bytes, its manifest says {size}; "
                                         "the file is corrupt, re-export it")
                 _check_size(path, info, MEMBER_MAX_BYTES)
-            blobs: dict[str, bytes | torch.Tensor] = {}
+            blobs: dict[str, bytes | torch.Tensor | Member] = {}
+            as_files = registry.get(manifest.backend).file_members(manifest.programs)
             for name in sorted(present):
                 info, size = by_name[name], declared[name]["size"]
+                if name in as_files:
+                    blobs[name] = Member(path, name, size, declared[name]["sha256"])
+                    continue
                 if name == WEIGHTS and info.compress_type == zipfile.ZIP_STORED:
                     with path.open("rb") as f:
                         blob, digest = _read_stored(path, f, info, size)
@@ -207,29 +309,6 @@ def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes | torch.Tensor]]:
         raise ArtifactError(f"{path} is not a readable kvtrace artifact ({clip(str(e), 200)}); it is corrupt or "
                             "truncated") from e
     return manifest, blobs
-
-
-def read_member(path: Path, manifest: Manifest, name: str) -> bytes:
-    """One member of an artifact ``read_zip`` already checked, read again (a program loaded again keeps no copy of
-    its bytes meanwhile): its size and SHA-256 against the manifest, so a file changed since is refused."""
-    declared = manifest.members.get(name)
-    if declared is None:
-        raise ArtifactError(f"{path}: its manifest lists no member {name}; the artifact is inconsistent, re-export it")
-    try:
-        with zipfile.ZipFile(path) as zf:
-            info = zf.getinfo(name)
-            if info.file_size != declared["size"]:
-                raise ArtifactError(f"{path}: member {name} is {info.file_size} bytes, its manifest says "
-                                    f"{declared['size']}; the file changed since it was loaded, load it again")
-            _check_size(path, info, MEMBER_MAX_BYTES)
-            blob = _read_member(zf, info, declared["size"])
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError, zlib.error, ValueError) as e:
-        raise ArtifactError(f"{path} is no longer a readable kvtrace artifact ({clip(str(e), 200)}); it changed "
-                            "since it was loaded, load it again") from e
-    if hashlib.sha256(blob).hexdigest() != declared["sha256"]:
-        raise ArtifactError(f"{path}: member {name} does not match the SHA-256 its manifest records; the file "
-                            "changed since it was loaded, load it again")
-    return blob
 
 
 def load_weights(path: Path, blob: bytes | torch.Tensor, manifest: Manifest,

@@ -88,10 +88,18 @@ def write_artifact(
     weights: dict[str, torch.Tensor],
     files: dict[str, bytes],
     tokenizer_json: str | None,
+    *,
+    deflate_programs: bool = True,
 ) -> Path:
     """Write atomically: a temp file in the same folder, renamed into place only when complete, with the
     permissions a new file gets under the caller's umask. The manifest written records the size and
-    SHA-256 of every other member and the shape and dtype of every weight."""
+    SHA-256 of every other member and the shape and dtype of every weight.
+
+    ``deflate_programs``: program members deflated (level 1), for programs that are code (weights stored beside
+    them: an aoti package deflates ~3-15x in a fraction of a second); False stores them as they are, for
+    programs that embed the weights (aoti-packed). Those barely shrink (SmolLM2 int8: 340 -> 295 MB), a weight
+    of a bf16 or GGUF origin at most ~2x, and inflating runs ~100 MB/s on a 2-core machine: loading SmolLM2's
+    packed fp32 program took 6.6 s deflated, 2.2 s stored (int8: 4.8 vs 1.5 s; stop 41)."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"output path {path} is a directory; expected a file name such as model.kvt")
@@ -124,9 +132,9 @@ def write_artifact(
                 for buf in data:
                     out.write(buf)
             for name, blob in blobs.items():
-                if name.startswith("programs/"):
-                    # level 1: a packed SmolLM2 fp32 program (517 MiB) deflates to 269 MiB in 9 s; level 6 (the
-                    # default) gets 255 MiB in 55 s, most of a cold export's time budget
+                if name.startswith("programs/") and deflate_programs:
+                    # level 1: level 6 (the default) took 55 s for a packed SmolLM2 fp32 program (517 MiB), level 1
+                    # 9 s, for 255 vs 269 MiB
                     zf.writestr(name, blob, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
                 else:
                     zf.writestr(name, blob)

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvtrace._errors import ArtifactError, CaptureError
 from kvtrace.backends import pt2
-from kvtrace.backends.base import Backend, Program
+from kvtrace.backends.base import Backend, FileMember, Program
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -442,15 +442,17 @@ class CompiledProgram:
 
     def __init__(self, run: Callable[..., list[torch.Tensor]], reload: Callable[[], CompiledProgram] | None = None):
         self._run = run
-        self._reload = reload
+        self.reload = reload  # set by whoever can load the library again
 
     def __call__(self, *flat: torch.Tensor) -> torch.Tensor:
         return self._run(*flat)[0]  # AOTInductor returns a list; a Decoder program has exactly one output
 
     def fresh(self) -> CompiledProgram:
-        if self._reload is None:
+        if self.reload is None:
             raise ArtifactError("this compiled program cannot be loaded again (its library was not kept)")
-        return self._reload()
+        fresh = self.reload()
+        fresh.reload = self.reload
+        return fresh
 # --- compiling several programs at once ----------------------------------------------------------
 # Each program compiles in its own process (spawned, not forked: the parent's OpenMP state is not
 # fork-safe), so prefill and decode share the cores: Inductor's code generation is single-threaded
@@ -680,59 +682,56 @@ class AotiBackend(Backend):
     def members(self, programs: Iterable[str]) -> set[str]:
         return {PACKAGE}
 
-    def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor], device: torch.device | None = None,
-             reread: Callable[[str], bytes] | None = None) -> dict[str, Program]:
+    def file_members(self, programs: Iterable[str]) -> set[str]:
+        return {PACKAGE}  # copied to disk and its libraries out of it: a packed library embeds the weights
+
+    def load(self, path: Path, manifest: Manifest, blobs: Mapping[str, Any],
+             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
         import torch
 
         device = device if device is not None else torch.device("cpu")
         compiled = self.compiled(manifest.programs, set(manifest.signatures))
         optional = frozenset(n for n, of in self.one_row_variants.items() if of in compiled)
-
-        def files(blob: bytes) -> dict[str, dict[str, bytes]]:
-            return pt2.libraries(f"{path}: {PACKAGE}", blob, set(compiled), optional)
-
-        libraries = files(blobs[PACKAGE])
-        # fresh(): the library read again from the artifact (checked), not kept: a packed library holds the weights
-        again = None if reread is None else (lambda name: files(reread(PACKAGE))[name])
-        variants = {n: self.one_row_variants[n] for n in optional if n in libraries}  # those this package holds
+        package: FileMember = blobs[PACKAGE]
         pt2.remove_stale_dirs()
         cache = manifest.cache_spec.allocate(device)  # one scratch cache for every probe
         loaded = {}
-        for name, program in [*compiled.items(), *((n, compiled[of]) for n, of in variants.items())]:
-            if not self.packs_weights:
-                with _library_files(libraries[name], name) as so:
+        with _libraries(path, package, set(compiled), optional) as libraries:
+            variants = {n: self.one_row_variants[n] for n in optional if n in libraries}  # those this package holds
+            for name, program in [*compiled.items(), *((n, compiled[of]) for n, of in variants.items())]:
+                so = libraries[name][".so"]
+                if not self.packs_weights:
                     _check_constants(path, name, compiled_constants(so, str(device)), weights)
-            loaded[name] = self._load_one(path, manifest, name, program, libraries[name], weights, device, cache,
-                                          again)
+                loaded[name] = self._load_one(path, manifest, name, program, so, weights, device, cache)
+
+                def again(name: str = name, program: ProgramSpec = program) -> CompiledProgram:
+                    """fresh(): the library copied out of the artifact again (checked again), not kept meanwhile."""
+                    with _libraries(path, package, set(compiled), optional, wanted={name}, again=True) as libs:
+                        return self._load_one(path, manifest, name, program, libs[name][".so"], weights, device)
+
+                loaded[name].reload = again
         return self.serve(loaded, manifest)
 
-    def _load_one(self, path: Path, manifest: Manifest, name: str, program: ProgramSpec, files: dict[str, bytes],
+    def _load_one(self, path: Path, manifest: Manifest, name: str, program: ProgramSpec, so: Path,
                   weights: dict[str, torch.Tensor], device: torch.device,
-                  cache: list[torch.Tensor] | None = None,
-                  again: Callable[[str], dict[str, bytes]] | None = None) -> CompiledProgram:
-        """Load one program's library (checked by ``load``) and probe it; ``fresh()`` does this again, over the
-        library files ``again(name)`` reads (None: no ``fresh()``)."""
+                  cache: list[torch.Tensor] | None = None) -> CompiledProgram:
+        """Load one program's library (checked by ``load``) and probe it."""
         from kvtrace.spec.manifest import clip
 
         scratch = cache if cache is not None else manifest.cache_spec.allocate(device)
-        with _library_files(files, name) as so:
-            try:
-                run, out = load_library(so, None if self.packs_weights else weights,
-                                        _probe_inputs(manifest, program, scratch, device), device)
-            except RuntimeError as e:
-                raise ArtifactError(
-                    f"{path}: program {name} refuses the inputs its manifest declares ({clip(str(e), 200)}): "
-                    "the CacheSpec or program specs do not match the compiled program; the artifact is "
-                    "inconsistent, re-export it") from e
+        try:
+            run, out = load_library(so, None if self.packs_weights else weights,
+                                    _probe_inputs(manifest, program, scratch, device), device)
+        except RuntimeError as e:
+            raise ArtifactError(
+                f"{path}: program {name} refuses the inputs its manifest declares ({clip(str(e), 200)}): "
+                "the CacheSpec or program specs do not match the compiled program; the artifact is "
+                "inconsistent, re-export it") from e
         if len(out) != 1 or out[0].dim() != 3 or out[0].shape[-1] != manifest.vocab_size:
             raise ArtifactError(f"{path}: program {name} returns {[tuple(o.shape) for o in out]}, the "
                                 f"manifest declares logits [B, T, {manifest.vocab_size}]; the artifact is "
                                 "inconsistent, re-export it")
-        if again is None:
-            return CompiledProgram(run)
-        return CompiledProgram(run, lambda: self._load_one(path, manifest, name, program, again(name), weights,
-                                                           device, again=again))
+        return CompiledProgram(run)
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         """Compiled program name -> callable, as ProgramSpec name -> callable (the inverse of ``compiled``)."""
@@ -744,19 +743,17 @@ AOTI = AotiBackend("aoti", "AOTInductor-compiled programs (native code), weights
 
 
 @contextlib.contextmanager
-def _library_files(files: dict[str, bytes], name: str) -> Iterator[Path]:
-    """One library (and its extern-kernel node file) written to a fresh temp dir under our own names — nothing
-    from the package picks a path — removed once loaded: a loaded library stays mapped without its file."""
+def _libraries(path: Path, package: FileMember, models: set[str], optional: frozenset[str],
+               wanted: Collection[str] | None = None, again: bool = False) -> Iterator[dict[str, dict[str, Path]]]:
+    """The package copied out of the artifact (hash-checked) into a fresh temp dir and its libraries out of that
+    (``pt2.libraries``: model -> {".so", ".json"} paths), the dir removed on exit: a loaded library stays mapped
+    without its file. Nothing of it passes through memory whole."""
     tmp = Path(tempfile.mkdtemp(prefix=f"{pt2.TEMP_PREFIX}{os.getpid()}-"))
     try:
-        so = tmp / f"{name}.so"
-        with so.open("wb") as f:  # written back before it is mapped: reclaim drops clean pages (``_page_out``)
-            f.write(files[".so"])
-            f.flush()
-            getattr(os, "fdatasync", os.fsync)(f.fileno())  # macOS has fsync only
-        if ".json" in files:  # extern kernel nodes, read by the library's proxy executor
-            (tmp / f"{name}.json").write_bytes(files[".json"])
-        yield so
+        copy = package.spill(tmp / "package.pt2", again=again)
+        files = pt2.libraries(f"{path}: {PACKAGE}", copy, tmp, models, optional, wanted)
+        copy.unlink()
+        yield files
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

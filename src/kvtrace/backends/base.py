@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -37,10 +37,19 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.spec.manifest import Manifest
     from kvtrace.spec.program import ProgramSpec
 
-__all__ = ["Backend"]
+__all__ = ["Backend", "FileMember"]
 
 T = TypeVar("T")
 Program = Callable[..., Any]  # (tokens, input_pos, [key_pos], *inputs, *cache) -> logits [B, T, V]; maybe .fresh()
+
+
+class FileMember(Protocol):
+    """An artifact member the backend reads as a file (``Backend.file_members``), not handed over as bytes."""
+
+    def spill(self, dest: Path, *, again: bool = False) -> Path:
+        """Copy the member to the new file ``dest`` and return it once its SHA-256 is the manifest's (ArtifactError
+        otherwise, ``dest`` removed); ``again``: a copy made after load (a mismatch: the file changed since)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -96,17 +105,21 @@ class Backend:
     def check_manifest(self, path: Path, manifest: Manifest) -> None:
         """Backend-specific consistency of a manifest, checked before any member is parsed."""
 
-    def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor], device: torch.device | None = None,
-             reread: Callable[[str], bytes] | None = None) -> dict[str, Program]:
-        """ProgramSpec name -> callable, from the (hash-checked) ``blobs`` and ``weights`` (checked against the
-        manifest's weight table, already on ``device``: where the programs run, of the type
-        ``manifest.device`` names; None: CPU). Raises ArtifactError when a program disagrees with the manifest.
+    def file_members(self, programs: Iterable[str]) -> set[str]:
+        """Those of ``members`` that ``load`` gets as a ``FileMember`` to copy out itself, not as bytes: large
+        members a backend opens as files anyway (never whole in memory). Default: none."""
+        return set()
+
+    def load(self, path: Path, manifest: Manifest, blobs: Mapping[str, Any],
+             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
+        """ProgramSpec name -> callable, from ``blobs`` (member name -> bytes, hash-checked; a ``FileMember`` for
+        ``file_members``, hash-checked as it is copied out) and ``weights`` (checked against the manifest's weight
+        table, already on ``device``: where the programs run, of the type ``manifest.device`` names; None: CPU).
+        Raises ArtifactError when a program disagrees with the manifest.
 
         A program may also have ``fresh()``: another instance of itself with its own runtime state over the
-        same weights (``aoti.CompiledProgram``); CUDA-graph capture takes one per graph when it exists. It reads
-        what it needs again through ``reread`` (member name -> bytes, checked against the manifest again), so no
-        program keeps a member's bytes alive; None: no ``fresh()``."""
+        same weights (``aoti.CompiledProgram``); CUDA-graph capture takes one per graph when it exists. It copies
+        its ``FileMember`` out again (checked again), so no program keeps a member's bytes alive."""
         raise NotImplementedError
 
     def bind(self, programs: dict[str, Program],

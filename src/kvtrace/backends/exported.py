@@ -10,7 +10,7 @@ placeholders against the manifest: the weights it reads (names, shapes, dtypes),
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +49,8 @@ class ExportedBackend(Backend):
     def members(self, programs: Iterable[str]) -> set[str]:
         return {_member(p) for p in programs}
 
-    def load(self, path: Path, manifest: Manifest, blobs: dict[str, bytes],
-             weights: dict[str, torch.Tensor], device: torch.device | None = None,
-             reread: Callable[[str], bytes] | None = None) -> dict[str, Program]:
+    def load(self, path: Path, manifest: Manifest, blobs: Mapping[str, Any],
+             weights: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, Program]:
         return {p: _program(path, p, blobs[_member(p)], weights, manifest) for p in manifest.programs}
 
 

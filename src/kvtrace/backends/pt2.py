@@ -7,13 +7,15 @@ exported programs, so a package holding any of those is refused before torch see
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import shutil
+import struct
 import tempfile
 import zipfile
+from collections.abc import Collection
 from pathlib import Path
+from typing import BinaryIO
 
 from kvtrace._errors import ArtifactError
 
@@ -30,45 +32,83 @@ _MODEL_FILE = re.compile(r"data/aotinductor/([A-Za-z_][A-Za-z0-9_]*)/([A-Za-z0-9
 _NEVER = ("weights_config.json", "custom_objs_config.json")
 
 
-def libraries(what: str, blob: bytes, models: set[str], optional: frozenset[str] = frozenset()
-              ) -> dict[str, dict[str, bytes]]:
-    """Check the package's member list; model name -> {".so": library, ".json": extern kernel nodes (if
-    any)} for every one of ``models`` and those of ``optional`` the package holds. ``what`` names the package
-    in messages ("<artifact>: programs/aoti.pt2")."""
+def libraries(what: str, package: Path, dest: Path, models: set[str], optional: frozenset[str] = frozenset(),
+              wanted: Collection[str] | None = None) -> dict[str, dict[str, Path]]:
+    """Check the package's member list and write the compiled libraries into ``dest`` under our own names; model
+    name -> {".so": library, ".json": extern kernel nodes (if any)}, for every one of ``models`` and those of
+    ``optional`` the package holds (only ``wanted`` of them, if given). ``package``: a hash-checked copy (no
+    member is CRC-checked again); ``what`` names it in messages ("<artifact>: programs/aoti.pt2"). Each library
+    is copied by the kernel, written back to disk (``fdatasync``) before it is mapped: reclaim then drops its
+    clean pages (``aoti._page_out``)."""
     from kvtrace.spec.manifest import clip, short
 
     try:
-        zf = zipfile.ZipFile(io.BytesIO(blob))
+        zf = zipfile.ZipFile(package)
         infos = zf.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, EOFError) as e:
         raise ArtifactError(f"{what} is not a readable package ({clip(str(e))}); re-export the artifact") from e
-    roots = {i.filename.split("/", 1)[0] for i in infos}
-    if len(roots) != 1 or sum(i.file_size for i in infos) > len(blob):
-        raise ArtifactError(f"{what} is not a package as torch writes it (one root folder, stored members); re-export it")
-    files: dict[str, dict[str, bytes]] = {}
-    for info in infos:
-        rel = info.filename.split("/", 1)[1] if "/" in info.filename else ""
-        if rel in _BOOKKEEPING:
-            continue
-        m = _MODEL_FILE.fullmatch(rel)
-        ext = Path(rel).suffix
-        if (m is None or m.group(2) in _NEVER or ext not in (".so", ".cpp", ".json")
-                or info.compress_type != zipfile.ZIP_STORED):
-            raise ArtifactError(
-                f"{what} holds {short(info.filename)}, which kvtrace never writes (torch's loader could unpickle or "
-                "build it); refusing to load it. Re-export the artifact with kvtrace")
-        model, fname = m.group(1), m.group(2)
-        if model not in models and model not in optional:
-            raise ArtifactError(f"{what} holds a model {model!r}; the manifest's programs are {sorted(models)}")
-        if ext == ".so" or (ext == ".json" and fname.endswith(".wrapper.json")):
-            key = ".so" if ext == ".so" else ".json"
-            if key in files.setdefault(model, {}):
-                raise ArtifactError(f"{what} holds two {key} files for model {model}; re-export the artifact")
-            files[model][key] = zf.read(info)
-    lacking = sorted(m for m in models if ".so" not in files.get(m, {}))
-    if lacking:
-        raise ArtifactError(f"{what} has no compiled library for {lacking}; re-export the artifact")
+    with zf:
+        roots = {i.filename.split("/", 1)[0] for i in infos}
+        if len(roots) != 1 or sum(i.file_size for i in infos) > package.stat().st_size:
+            raise ArtifactError(f"{what} is not a package as torch writes it (one root folder, stored members); "
+                                "re-export it")
+        found: dict[str, dict[str, zipfile.ZipInfo]] = {}
+        for info in infos:
+            rel = info.filename.split("/", 1)[1] if "/" in info.filename else ""
+            if rel in _BOOKKEEPING:
+                continue
+            m = _MODEL_FILE.fullmatch(rel)
+            ext = Path(rel).suffix
+            if (m is None or m.group(2) in _NEVER or ext not in (".so", ".cpp", ".json")
+                    or info.compress_type != zipfile.ZIP_STORED):
+                raise ArtifactError(
+                    f"{what} holds {short(info.filename)}, which kvtrace never writes (torch's loader could unpickle "
+                    "or build it); refusing to load it. Re-export the artifact with kvtrace")
+            model, fname = m.group(1), m.group(2)
+            if model not in models and model not in optional:
+                raise ArtifactError(f"{what} holds a model {model!r}; the manifest's programs are {sorted(models)}")
+            if ext == ".so" or (ext == ".json" and fname.endswith(".wrapper.json")):
+                key = ".so" if ext == ".so" else ".json"
+                if key in found.setdefault(model, {}):
+                    raise ArtifactError(f"{what} holds two {key} files for model {model}; re-export the artifact")
+                found[model][key] = info
+        lacking = sorted(m for m in models if ".so" not in found.get(m, {}))
+        if lacking:
+            raise ArtifactError(f"{what} has no compiled library for {lacking}; re-export the artifact")
+        files: dict[str, dict[str, Path]] = {}
+        with package.open("rb") as src:
+            for model, members in found.items():
+                if wanted is not None and model not in wanted:
+                    continue
+                for key, info in members.items():
+                    files.setdefault(model, {})[key] = _copy_out(what, src, info, dest / f"{model}{key}")
     return files
+
+
+def _copy_out(what: str, src: BinaryIO, info: zipfile.ZipInfo, dest: Path) -> Path:
+    """A stored member of the open package ``src`` copied to the new file ``dest`` (by the kernel where it can),
+    written back before it is returned."""
+    src.seek(info.header_offset)
+    head = src.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        raise ArtifactError(f"{what}: the local header of {info.filename} is damaged; re-export the artifact")
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    at, left = info.header_offset + 30 + name_len + extra_len, info.file_size
+    if at + left > os.fstat(src.fileno()).st_size:
+        raise ArtifactError(f"{what}: {info.filename} runs past the package's end; re-export the artifact")
+    with dest.open("xb") as out:
+        while left:
+            try:
+                n = os.copy_file_range(src.fileno(), out.fileno(), left, at)
+            except (AttributeError, OSError):  # not Linux, or a filesystem that refuses it: through user space
+                src.seek(at)
+                n = out.write(src.read(min(left, 1 << 22)))
+            if n == 0:
+                raise ArtifactError(f"{what}: {info.filename} ends early; re-export the artifact")
+            at, left = at + n, left - n
+        out.flush()
+        getattr(os, "fdatasync", os.fsync)(out.fileno())  # macOS has fsync only
+    return dest
 
 
 def remove_stale_dirs() -> None:
