@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load, save
 
-from kvtrace._errors import ArtifactError
+from kvtrace._errors import ArtifactError, UsageError
 from kvtrace.artifact import reader
 
 # odd sizes on purpose: views after them start unaligned and are copied; the others stay views of the buffer
@@ -133,6 +133,11 @@ def test_a_spilled_member_that_is_not_the_manifests_is_refused_and_its_copy_remo
     assert not (tmp_path / "copy").exists()
     with pytest.raises(ArtifactError, match="the file changed since it was loaded, load it again"):
         other.spill(tmp_path / "copy", again=True)  # fresh(): a copy made after load
+    (tmp_path / "copy").write_bytes(b"theirs")  # never overwritten, nor removed
+    with pytest.raises(UsageError, match=r"already exists; Member\.spill writes a new file"):
+        member.spill(tmp_path / "copy")
+    assert (tmp_path / "copy").read_bytes() == b"theirs"
+    (tmp_path / "copy").unlink()
     shorter = reader.Member(member.path, member.name, member.size - 1, member.sha256)
     with pytest.raises(ArtifactError, match=rf"is {len(blob)} bytes, its manifest says {len(blob) - 1}"):
         shorter.spill(tmp_path / "copy")

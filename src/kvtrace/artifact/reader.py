@@ -215,6 +215,9 @@ class Member:
         copy made after the artifact was loaded (``fresh()``), so a difference means the file changed since."""
         fix = ("the file changed since it was loaded, load it again" if again
                else "the file is corrupt or was altered, re-export it")
+        created = False  # a file already at ``dest`` is refused (``xb``) and left as it was
+        if dest.exists():
+            raise UsageError(f"{dest} already exists; Member.spill writes a new file, it never replaces one")
         try:
             with zipfile.ZipFile(self.path) as zf:
                 info = zf.getinfo(self.name)
@@ -223,12 +226,14 @@ class Member:
                                         f"{self.size}; {fix}")
                 _check_size(self.path, info, MEMBER_MAX_BYTES)
                 with self.path.open("rb") as f, dest.open("xb") as out:
+                    created = True
                     digest = _copy_hashed(self.path, f, info, out)
             if digest != self.sha256:
                 raise ArtifactError(f"{self.path}: member {self.name} does not match the SHA-256 its manifest records; "
                                     f"{fix}")
         except BaseException as e:
-            dest.unlink(missing_ok=True)
+            if created:
+                dest.unlink(missing_ok=True)
             if isinstance(e, (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, EOFError, OSError, zlib.error,
                               ValueError)):
                 raise ArtifactError(f"{self.path} is not a readable kvtrace artifact ({clip(str(e), 200)}); {fix}") from e
