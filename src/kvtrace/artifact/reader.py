@@ -215,7 +215,7 @@ class Member:
         copy made after the artifact was loaded (``fresh()``), so a difference means the file changed since."""
         fix = ("the file changed since it was loaded, load it again" if again
                else "the file is corrupt or was altered, re-export it")
-        created = False  # a file already at ``dest`` is refused (``xb``) and left as it was
+        created = False  # only a copy this call made is removed on failure
         if dest.exists():
             raise UsageError(f"{dest} already exists; Member.spill writes a new file, it never replaces one")
         try:

@@ -99,7 +99,7 @@ def write_artifact(
     them: an aoti package deflates ~3-15x in a fraction of a second); False stores them as they are, for
     programs that embed the weights (aoti-packed). Those barely shrink (SmolLM2 int8: 340 -> 295 MB), a weight
     of a bf16 or GGUF origin at most ~2x, and inflating runs ~100 MB/s on a 2-core machine: loading SmolLM2's
-    packed fp32 program took 6.6 s deflated, 2.2 s stored (int8: 4.8 vs 1.5 s; stop 41)."""
+    packed fp32 program took 5.9-6.3 s deflated, 1.8 s stored (int8: 4.4-4.5 vs 1.2 s; stop 41)."""
     path = Path(path)
     if path.is_dir():
         raise UsageError(f"output path {path} is a directory; expected a file name such as model.kvt")

@@ -440,19 +440,19 @@ class CompiledProgram:
     ``fresh()`` loads the same library again, into its own model container over the same weights, and
     probes it like the first (CUDA-graph capture runs one per graph; see the module docstring)."""
 
-    def __init__(self, run: Callable[..., list[torch.Tensor]], reload: Callable[[], CompiledProgram] | None = None):
+    def __init__(self, run: Callable[..., list[torch.Tensor]],
+                 reload: Callable[[], Callable[..., list[torch.Tensor]]] | None = None):
         self._run = run
-        self.reload = reload  # set by whoever can load the library again
+        self._reload = reload  # another ``run`` over a new container (None: the library cannot be loaded again)
 
     def __call__(self, *flat: torch.Tensor) -> torch.Tensor:
         return self._run(*flat)[0]  # AOTInductor returns a list; a Decoder program has exactly one output
 
     def fresh(self) -> CompiledProgram:
-        if self.reload is None:
+        if self._reload is None:
             raise ArtifactError("this compiled program cannot be loaded again (its library was not kept)")
-        fresh = self.reload()
-        fresh.reload = self.reload
-        return fresh
+        return CompiledProgram(self._reload(), self._reload)
+
 # --- compiling several programs at once ----------------------------------------------------------
 # Each program compiles in its own process (spawned, not forked: the parent's OpenMP state is not
 # fork-safe), so prefill and decode share the cores: Inductor's code generation is single-threaded
@@ -702,20 +702,22 @@ class AotiBackend(Backend):
                 so = libraries[name][".so"]
                 if not self.packs_weights:
                     _check_constants(path, name, compiled_constants(so, str(device)), weights)
-                loaded[name] = self._load_one(path, manifest, name, program, so, weights, device, cache)
-
-                def again(name: str = name, program: ProgramSpec = program) -> CompiledProgram:
-                    """fresh(): the library copied out of the artifact again (checked again), not kept meanwhile."""
-                    with _libraries(path, package, set(compiled), optional, wanted={name}, again=True) as libs:
-                        return self._load_one(path, manifest, name, program, libs[name][".so"], weights, device)
-
-                loaded[name].reload = again
+                run = self._load_one(path, manifest, name, program, so, weights, device, cache)
+                loaded[name] = CompiledProgram(run, functools.partial(
+                    self._load_again, path, manifest, package, set(compiled), optional, name, program, weights, device))
         return self.serve(loaded, manifest)
+
+    def _load_again(self, path: Path, manifest: Manifest, package: FileMember, models: set[str],
+                    optional: frozenset[str], name: str, program: ProgramSpec, weights: dict[str, torch.Tensor],
+                    device: torch.device) -> Callable[..., list[torch.Tensor]]:
+        """``fresh()``: the library copied out of the artifact again (checked again: nothing is kept meanwhile)."""
+        with _libraries(path, package, models, optional, wanted={name}, again=True) as libs:
+            return self._load_one(path, manifest, name, program, libs[name][".so"], weights, device)
 
     def _load_one(self, path: Path, manifest: Manifest, name: str, program: ProgramSpec, so: Path,
                   weights: dict[str, torch.Tensor], device: torch.device,
-                  cache: list[torch.Tensor] | None = None) -> CompiledProgram:
-        """Load one program's library (checked by ``load``) and probe it."""
+                  cache: list[torch.Tensor] | None = None) -> Callable[..., list[torch.Tensor]]:
+        """Load one program's library (checked by ``load``) and probe it; its flat runner."""
         from kvtrace.spec.manifest import clip
 
         scratch = cache if cache is not None else manifest.cache_spec.allocate(device)
@@ -731,7 +733,7 @@ class AotiBackend(Backend):
             raise ArtifactError(f"{path}: program {name} returns {[tuple(o.shape) for o in out]}, the "
                                 f"manifest declares logits [B, T, {manifest.vocab_size}]; the artifact is "
                                 "inconsistent, re-export it")
-        return CompiledProgram(run)
+        return run
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         """Compiled program name -> callable, as ProgramSpec name -> callable (the inverse of ``compiled``)."""

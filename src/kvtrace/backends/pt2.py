@@ -96,11 +96,16 @@ def _copy_out(what: str, src: BinaryIO, info: zipfile.ZipInfo, dest: Path) -> Pa
     at, left = info.header_offset + 30 + name_len + extra_len, info.file_size
     if at + left > os.fstat(src.fileno()).st_size:
         raise ArtifactError(f"{what}: {info.filename} runs past the package's end; re-export the artifact")
+    kernel = hasattr(os, "copy_file_range")  # Linux
     with dest.open("xb") as out:
         while left:
-            try:
-                n = os.copy_file_range(src.fileno(), out.fileno(), left, at)
-            except (AttributeError, OSError):  # not Linux, or a filesystem that refuses it: through user space
+            if kernel:
+                try:
+                    n = os.copy_file_range(src.fileno(), out.fileno(), left, at)
+                except OSError:  # a filesystem that refuses it: the rest through user space
+                    kernel = False
+                    continue
+            else:
                 src.seek(at)
                 n = out.write(src.read(min(left, 1 << 22)))
             if n == 0:
