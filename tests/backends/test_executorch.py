@@ -140,6 +140,41 @@ def test_session_api_on_the_programs_own_buffers(llama_pte):
 
 
 @pytest.mark.compile
+def test_a_loaded_pte_runs_from_a_private_copy_the_users_file_cannot_change(llama_pte, tmp_path, monkeypatch):
+    import gc
+    import os
+    import tempfile
+
+    from kvtrace.backends.executorch import TEMP_PREFIX
+
+    dec, good = llama_pte
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp / f"{TEMP_PREFIX}{int(dead.stdout)}-killed"  # left by a load whose process was killed
+    stale.mkdir()
+    path = tmp_path / "mine.pte"
+    path.write_bytes(good.read_bytes())
+    s = kvtrace.load(path).session()  # the artifact itself is not kept: the session holds what it needs
+    (copy,) = [d for d in tmp.iterdir()]  # the stale dir removed, this load's private copy made
+    assert copy.name.startswith(f"{TEMP_PREFIX}{os.getpid()}-") and (copy.stat().st_mode & 0o777) == 0o700
+    first = s.prefill(PROMPTS[0])
+    with path.open("r+b") as f:  # the user's file cut short in place (as `cp other.pte mine.pte` starts) ...
+        f.truncate(4096)
+    s.reset()
+    torch.testing.assert_close(s.prefill(PROMPTS[0]), first)  # ... changes nothing that runs
+    ref = DecoderRunner(dec).session
+    torch.testing.assert_close(first, ref.prefill(PROMPTS[0])[:, -1:], rtol=1e-4, atol=1e-4)
+    del s
+    gc.collect()
+    assert list(tmp.iterdir()) == []  # the copy goes with the last session
+    with pytest.raises(kvtrace.ArtifactError):
+        kvtrace.load(path)  # the truncated file itself (still an ExecuTorch header) is refused ...
+    assert list(tmp.iterdir()) == []  # ... and a failed load leaves nothing behind
+
+
+@pytest.mark.compile
 def test_planted_fault_cache_without_initial_values_fails_verify(llama_pte, tmp_path):
     """The seed's bug: the cache exported as mutable buffers without their initial values."""
     dec, good = llama_pte

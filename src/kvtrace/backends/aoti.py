@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvtrace._errors import ArtifactError, CaptureError
-from kvtrace.backends import pt2
+from kvtrace.backends import pt2, tempcopy
 from kvtrace.backends.base import Backend, FileMember, Program
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -693,7 +693,7 @@ class AotiBackend(Backend):
         compiled = self.compiled(manifest.programs, set(manifest.signatures))
         optional = frozenset(n for n, of in self.one_row_variants.items() if of in compiled)
         package: FileMember = blobs[PACKAGE]
-        pt2.remove_stale_dirs()
+        tempcopy.remove_stale_dirs(pt2.TEMP_PREFIX)
         cache = manifest.cache_spec.allocate(device)  # one scratch cache for every probe
         loaded = {}
         with _libraries(path, package, set(compiled), optional) as libraries:
@@ -750,7 +750,7 @@ def _libraries(path: Path, package: FileMember, models: set[str], optional: froz
     """The package copied out of the artifact (hash-checked) into a fresh temp dir and its libraries out of that
     (``pt2.libraries``: model -> {".so", ".json"} paths), the dir removed on exit: a loaded library stays mapped
     without its file. Nothing of it passes through memory whole."""
-    tmp = Path(tempfile.mkdtemp(prefix=f"{pt2.TEMP_PREFIX}{os.getpid()}-"))
+    tmp = tempcopy.new_dir(pt2.TEMP_PREFIX)
     try:
         copy = package.spill(tmp / "package.pt2", again=again)
         files = pt2.libraries(f"{path}: {PACKAGE}", copy, tmp, models, optional, wanted)

@@ -39,7 +39,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvtrace._errors import ArtifactError, CaptureError, UsageError
+from kvtrace.backends import tempcopy
 from kvtrace.backends.base import Backend, Program
 from kvtrace.backends.executorch_graph import delegable
 
@@ -63,6 +66,7 @@ T = TypeVar("T")
 EXTRA = "executorch"  # the pyproject extra that installs it
 FORWARD = "forward"  # the method serving prefill and decode (ExecuTorch's runners call "forward")
 MANIFEST_METHOD, STATE_METHOD, TOKENIZER_METHOD = "kvtrace_manifest", "kvtrace_state", "kvtrace_tokenizer"
+TEMP_PREFIX = "kvtrace-pte-"  # + "<pid>-<random>": one load's private copy of the .pte (tempcopy.new_dir)
 _MAGIC_OFFSET, _MAGIC = 4, b"ET12"  # the flatbuffer file identifier of an ExecuTorch program
 SEQ_MAJOR = [0, 2, 1, 3]  # [B, S, H_kv, D] <-> [B, H_kv, S, D]
 
@@ -274,8 +278,8 @@ class ExecuTorchBackend(Backend):
 
     def load_file(self, path: Path) -> tuple[Manifest, dict[str, Program], str | None]:
         require()
-        blob = path.read_bytes()
-        pte = _Pte(path, blob)
+        tempcopy.remove_stale_dirs(TEMP_PREFIX)
+        pte = _Pte(path)
         manifest, tokenizer_json = pte.read_records()
         if manifest.backend not in _registered_names():
             raise ArtifactError(f"{path}: written by kvtrace's {manifest.backend!r} backend, which is not registered "
@@ -558,17 +562,33 @@ def _write_atomic(path: Path, *pieces: bytes | bytearray | memoryview) -> None:
 
 
 class _Pte:
-    """A loaded .pte's bytes; ``instance`` loads one program from them per Session (its own buffers)."""
+    """A loaded .pte. It is copied at load to a private temp dir (``tempcopy``) and every program instance is loaded
+    from that copy: ExecuTorch maps the file (its constants shared, not copied; the rest read when XNNPACK packs
+    the weights), so no copy of it stays in this process's memory, and what the user does to their file
+    afterwards (re-export it in place, truncate it) changes nothing that was checked at load or that runs. The
+    copy goes when the last instance does (each runner holds this object), or with the process (the next load
+    removes the dirs of dead ones). ``instance`` loads one program per Session (its own buffers)."""
 
-    def __init__(self, path: Path, blob: bytes):
+    def __init__(self, path: Path):
         from executorch.runtime import Runtime
 
-        self.path, self.blob = path, blob
+        self.path = path
+        tmp = tempcopy.new_dir(TEMP_PREFIX)
+        self._remove = weakref.finalize(self, shutil.rmtree, tmp, True)
         try:
-            self.program = Runtime.get().load_program(blob)  # the first instance: records and checks
-        except Exception as e:
-            raise ArtifactError(f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e}); re-export it"
-                                ) from e
+            self.copy = tmp / "program.pte"
+            with path.open("rb") as src:
+                size = os.fstat(src.fileno()).st_size
+                if tempcopy.copy_range(src, 0, size, self.copy, sync=False) != size:
+                    raise ArtifactError(f"{path} shrank while it was being loaded; load it again once it is written")
+            try:
+                self.program = Runtime.get().load_program(self.copy)  # the first instance: records and checks
+            except Exception as e:
+                raise ArtifactError(f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e}); "
+                                    "re-export it") from e
+        except BaseException:
+            self._remove()
+            raise
         self.state: list[dict[str, Any]] = []
 
     def _const(self, name: str) -> Any:
@@ -623,7 +643,7 @@ class _Pte:
         """A fresh program (its own buffers, holding their initial values) -> callables and state views."""
         from executorch.runtime import Runtime
 
-        program = Runtime.get().load_program(self.blob)
+        program = Runtime.get().load_program(self.copy)
         methods = {name: program.load_method(name) for name in EXECUTORCH.compiled(manifest.programs)}
         first = next(iter(methods.values()))._method
         state = []
@@ -634,7 +654,7 @@ class _Pte:
                 raise ArtifactError(f"{self.path}: cache buffer {b.name} is {view.dtype} {list(view.shape)} in the "
                                     f"program, the CacheSpec declares {b.dtype} {list(b.shape)}; re-export it")
             state.append(view)
-        runners = {name: _runner(m, program) for name, m in methods.items()}
+        runners = {name: _runner(m, (program, self)) for name, m in methods.items()}
         served = {p: runners[FORWARD if p in ("prefill", "decode") else p] for p in manifest.programs}
         return served, state
 
@@ -663,7 +683,7 @@ def _runner(method: Any, keepalive: Any) -> Callable[..., torch.Tensor]:
         (logits,) = method.execute(list(flat))
         return logits
 
-    run.program = keepalive  # the buffers live as long as the program object
+    run.program = keepalive  # the buffers live as long as the program object, the file it maps as long as _Pte
     return run
 
 

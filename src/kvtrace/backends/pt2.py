@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import struct
-import tempfile
 import zipfile
 from collections.abc import Collection
 from pathlib import Path
 from typing import BinaryIO
 
 from kvtrace._errors import ArtifactError
+from kvtrace.backends.tempcopy import copy_range
 
-__all__ = ["TEMP_PREFIX", "libraries", "remove_stale_dirs"]
+__all__ = ["TEMP_PREFIX", "libraries"]
 
-TEMP_PREFIX = "kvtrace-aoti-"  # + "<pid>-<random>": one load's libraries, removed once they are mapped
+TEMP_PREFIX = "kvtrace-aoti-"  # + "<pid>-<random>" (tempcopy.new_dir): one load's libraries, removed once mapped
 
 # The members torch's .pt2 packaging may hold, and what kvtrace accepts of them. Anything else is refused:
 # models/*.json + data/weights|constants/* (exported programs with weights and constants, which torch's
@@ -96,35 +95,6 @@ def _copy_out(what: str, src: BinaryIO, info: zipfile.ZipInfo, dest: Path) -> Pa
     at, left = info.header_offset + 30 + name_len + extra_len, info.file_size
     if at + left > os.fstat(src.fileno()).st_size:
         raise ArtifactError(f"{what}: {info.filename} runs past the package's end; re-export the artifact")
-    kernel = hasattr(os, "copy_file_range")  # Linux
-    with dest.open("xb") as out:
-        while left:
-            if kernel:
-                try:
-                    n = os.copy_file_range(src.fileno(), out.fileno(), left, at)
-                except OSError:  # a filesystem that refuses it: the rest through user space
-                    kernel = False
-                    continue
-            else:
-                src.seek(at)
-                n = out.write(src.read(min(left, 1 << 22)))
-            if n == 0:
-                raise ArtifactError(f"{what}: {info.filename} ends early; re-export the artifact")
-            at, left = at + n, left - n
-        out.flush()
-        getattr(os, "fdatasync", os.fsync)(out.fileno())  # macOS has fsync only
+    if copy_range(src, at, left, dest) != left:
+        raise ArtifactError(f"{what}: {info.filename} ends early; re-export the artifact")
     return dest
-
-
-def remove_stale_dirs() -> None:
-    """Temp dirs of loads killed before they cleaned up (kvtrace-aoti-<pid>-*, that pid gone, ours)."""
-    for d in Path(tempfile.gettempdir()).glob(f"{TEMP_PREFIX}*-*"):
-        m = re.fullmatch(rf"{TEMP_PREFIX}(\d+)-.+", d.name)
-        try:
-            if m is None or not d.is_dir() or d.stat().st_uid != os.getuid() or int(m.group(1)) == os.getpid():
-                continue
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(d, ignore_errors=True)
-        except (OSError, OverflowError):  # alive under another user, or vanished meanwhile
-            continue
