@@ -92,3 +92,20 @@ def test_bench_puts_quantized_rows_side_by_side(hf_dir):
     assert by["int4"]["bytes_per_token"] < by["int8"]["bytes_per_token"] < by["none"]["bytes_per_token"]
     assert by["int4"]["artifact_mib"] < by["none"]["artifact_mib"]
     assert "| exported | float32 | int4 | auto | 4 |" in render_markdown(data)
+
+
+@pytest.mark.parametrize(("argv", "backend"), [
+    ([], "aoti"), (["--quant", "int4"], "aoti-packed"), (["--quant", "int8"], "aoti-packed"),
+    (["--quant", "8da4w"], "aoti-packed"), (["--quant", "gguf"], "aoti"), (["--quant", "int4", "--backend", "aoti"], "aoti"),
+    (["--quant", "int4", "--no-tiered"], "aoti-packed")])
+def test_generate_builds_quantized_weights_on_aoti_packed_unless_told_otherwise(argv, backend, monkeypatch, capsys):
+    seen = []
+
+    def build(source, *, backend, **kw):
+        seen.append(backend)
+        raise kvtrace.UsageError("stopped before building")
+
+    monkeypatch.setattr("kvtrace.artifact.store.cached_artifact", build)
+    monkeypatch.setattr("kvtrace.artifact.tiered.start", build)
+    assert main(["generate", "hi", *argv]) == 2
+    assert seen == [backend] and "stopped before building" in capsys.readouterr().err

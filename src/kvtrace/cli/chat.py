@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace._errors import KvtraceError, UsageError
-from kvtrace.cli.args import POSITIVE, SEED, probability, temperature, tiered_arg
+from kvtrace.cli.args import POSITIVE, SEED, backend_arg, probability, temperature, tiered_arg
 from kvtrace.cli.ui import UI
 
 HELP = ("/reset  start over    /undo  forget the last turn    /save FILE  /load FILE  the conversation and its "
@@ -173,7 +173,6 @@ def cmd_chat(args: argparse.Namespace, ui: UI) -> int:
 
 def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     """Add ``kvtrace chat`` to the parser (``add(name, help)`` makes the subparser)."""
-    from kvtrace.backends import registry
 
     p = add("chat", "Chat in the terminal over many turns, the cache kept across them (each turn prefills only "
                     "its own tokens).")
@@ -181,7 +180,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="an artifact (.kvt), or a model source: smollm2-135m-instruct (default), a HF dir, a GGUF")
     p.add_argument("--system", default=None, help="a system message to start the conversation with")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=512, help="per answer (default 512)")
-    p.add_argument("--backend", choices=sorted(registry.names()), default="aoti")
+    backend_arg(p)
     p.add_argument("--max-seq-len", type=POSITIVE, default=2048, help="the whole conversation's tokens (default 2048)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     tiered_arg(p)

@@ -13,6 +13,8 @@ from typing import Any
 from kvtrace._errors import UsageError
 from kvtrace.cli.args import (
     POSITIVE,
+    backend_arg,
+    chosen_backend,
     cuda_graphs_arg,
     device_arg,
     kv_dtype_arg,
@@ -154,6 +156,7 @@ def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) ->
     from kvtrace.artifact.store import cached_artifact
 
     device = getattr(args, "device", "cpu")
+    args.backend = chosen_backend(args)
     quant = {k: getattr(args, k) for k in ("quant", "quant_group_size", "quant_head") if hasattr(args, k)}
     from kvtrace.backends import registry
 
@@ -229,13 +232,12 @@ def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
 
 def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     """Add ``kvtrace generate`` to the parser (``add(name, help)`` makes the subparser)."""
-    from kvtrace.backends import registry
 
     p = add("generate", "Stream an answer from a model (default: the embedded SmolLM2-135M-Instruct), compiled.")
     p.add_argument("prompt", nargs="?", default=None, help="prompt text, or - for stdin")
     p.add_argument("--model", default=None, help="smollm2-135m-instruct (default), a HF model dir, or a GGUF file")
     p.add_argument("--max-new-tokens", type=POSITIVE, default=256)
-    p.add_argument("--backend", choices=sorted(registry.names()), default="aoti")
+    backend_arg(p)
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     kv_dtype_arg(p)
