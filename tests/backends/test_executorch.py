@@ -25,6 +25,7 @@ from kvtrace._errors import UsageError
 from kvtrace.backends import registry
 from kvtrace.backends.executorch import EXECUTORCH, _flatbuffer_program, is_pte, tokenizer_path
 from kvtrace.tools.runners import DecoderRunner, EagerRunner, Prompt, SessionRunner
+from kvtrace.tools.verify_kv import verify_by_cache
 
 # Skipped only where the optional executorch extra is absent: `make test` installs the dev extra, which includes it,
 # so CI runs every test here. (test_missing_executorch_names_the_extra fakes its absence itself.)
@@ -204,6 +205,72 @@ def test_loading_needs_neither_transformers_nor_torch_export_deserialization(lla
             "print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False"]
+
+
+# --- 8da4w: XNNPACK's dynamically quantized GEMMs ------------------------------------------------------------------
+def test_only_8da4w_is_offered_and_said_so_before_any_capture(tmp_path):
+    for scheme in ("int8", "int4", "gguf"):
+        why = "fold the GGUF blocks" if scheme == "gguf" else f"does not offer quant='{scheme}'; it takes '8da4w'"
+        with pytest.raises(kvtrace.UnsupportedError, match=why):
+            kvtrace.export(tiny_model("llama"), tmp_path / "q.pte", backend="executorch", max_seq_len=16, quant=scheme)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.fixture(scope="module")
+def llama_8da4w(tmp_path_factory):
+    model = tiny_model("llama")
+    return model, kvtrace.export(model, tmp_path_factory.mktemp("et8") / "q.pte", backend="executorch", max_seq_len=32,
+                                 quant="8da4w", prefill_logits="last")
+
+
+def _kernel_calls(path: Path) -> list[str]:
+    """The operators the forward method calls outside delegates (ExecuTorch's portable kernels), in order."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    pte = deserialize_pte_binary(path.read_bytes())
+    (plan,) = [p for p in getattr(pte, "program", pte).execution_plan if p.name == "forward"]
+    return [plan.operators[i.instr_args.op_index].name for c in plan.chains for i in c.instructions
+            if type(i.instr_args).__name__ == "KernelCall"]
+
+
+@pytest.mark.compile
+def test_8da4w_pte_runs_xnnpacks_quantized_gemms_and_verifies_against_the_same_weights(llama_8da4w, llama_pte):
+    model, path = llama_8da4w
+    art = kvtrace.load(path)
+    qs = art.manifest.quant
+    assert (qs.scheme, qs.group_size, qs.activations, qs.int4_layout) == ("8da4w", 32, "int8-asym", None)
+    assert set(qs.tensors.values()) == {"int4-sym", "int8"} and qs.tensors["output"] == "int8"
+    # every quantized matmul and its activation quantization inside XNNPACK, none in a portable kernel
+    calls = _kernel_calls(path)
+    assert not [c for c in calls if "quant" in c or "choose" in c or "linear" in c or "mm" in c], calls
+    assert path.stat().st_size < 0.5 * llama_pte[1].stat().st_size  # the fp32 .pte of the same shapes
+    report = verify_by_cache(model, EagerRunner(model), [SessionRunner(art.session(), "8da4w")], PROMPTS, steps=6)
+    assert report.passed, report.summary()
+    assert {r.reference for r in report.rows} == {"decoder-eager-8da4w-g32-int8-asym"}
+    assert report.floors["8da4w"] is not None  # judged with the reference's noise floor measured
+    (s,) = report.summary()
+    assert s["tokens_agree"] == s["steps"] and s["logits_max_abs"] < 0.02
+
+
+@pytest.mark.compile
+def test_8da4w_pte_with_a_wrong_group_size_fails_verify(llama_8da4w, tmp_path, monkeypatch):
+    """The program quantizes and dequantizes groups of 64 while its manifest records 32."""
+    from kvtrace.models import quant as q
+
+    model, good = llama_8da4w
+    real, real_init = q.quantize_int4, q.DynQuantLinear.__init__
+    monkeypatch.setattr(q, "quantize_int4", lambda w, g, symmetric=False: real(w, 64, symmetric))
+    monkeypatch.setattr(q.DynQuantLinear, "__init__", lambda self, qv, sc, g, bits, b:
+                        real_init(self, qv, sc, 64 if bits == 4 else g, bits, b))
+    bad = kvtrace.export(model, tmp_path / "g64.pte", backend="executorch", max_seq_len=32, quant="8da4w",
+                         prefill_logits="last")
+    monkeypatch.undo()
+    assert kvtrace.load(bad).manifest.quant.group_size == 32
+    runners = [SessionRunner(kvtrace.load(p).session(), n) for n, p in (("good", good), ("wrong-group", bad))]
+    report = verify_by_cache(model, EagerRunner(model), runners, PROMPTS, steps=2)
+    assert report.first_failure("good") is None
+    fail = report.first_failure("wrong-group")
+    assert fail is not None and (fail.prompt, fail.step) == (0, "prefill"), fail
 
 
 # --- other families --------------------------------------------------------------------------------------------

@@ -276,6 +276,39 @@ def test_quant_spec_from_a_forged_manifest_is_an_artifact_error():
         QuantSpec.from_dict({"scheme": "int4", "group_size": 7, "head": True, "tensors": {}, "dequantized": {}})
 
 
+def test_a_backends_own_activations_are_recorded_checked_and_keyed():
+    spec = QuantSpec("8da4w", 32, act="int8-asym")
+    assert spec.activations == "int8-asym" and spec.key == "8da4w-g32-int8-asym" != parse_quant("8da4w").key
+    assert QuantSpec.from_dict(spec.to_dict()) == spec
+    assert "act" not in parse_quant("8da4w").to_dict()  # other manifests read and write as before
+    for scheme, act in (("int4", "int8-asym"), ("8da4w", "int8-dynamic"), ("8da4w", "fp8")):
+        with pytest.raises(UsageError, match="not a combination"):
+            QuantSpec(scheme, 32, act=act)
+    with pytest.raises(ArtifactError, match="manifest quant"):
+        QuantSpec.from_dict({**spec.to_dict(), "act": 8})
+
+
+def test_8da4w_for_xnnpack_computes_its_reference_exactly():
+    """``DynQuantLinear`` (the executorch backend's 8da4w) and verify's reference, eager: the same numbers."""
+    torch.manual_seed(0)
+    spec = QuantSpec("8da4w", 32, act="int8-asym")
+    dec, ref = (make_decoder(tiny_model("llama"), max_seq_len=16) for _ in range(2))
+    got = q.quantize_decoder(dec, spec)
+    q.quantize_decoder(ref, got, reference=True)
+    assert got.act == "int8-asym" and got.int4_layout is None  # XNNPACK packs the weights itself
+    assert {type(m).__name__ for m in dec.modules()} >= {"DynQuantLinear", "Int8Embedding"}
+    tokens, pos = torch.tensor([[5, 17, 42, 8]]), torch.arange(4)
+    a = dec(tokens, pos, *dec.cache_spec.allocate())
+    b = ref(tokens, pos, *ref.cache_spec.allocate())
+    assert torch.equal(a, b)
+    lin = next(m for m in dec.modules() if isinstance(m, q.DynQuantLinear) and m.group_size == 32)
+    assert lin.weight.dtype == torch.int8 and -8 <= int(lin.weight.min()) and int(lin.weight.max()) <= 7
+    x = torch.randn(3, lin.weight.shape[1]) * 4 + 1
+    rows = q.dynamic_int8_rows(x)  # each row on 255 steps of its own range (widened to hold 0)
+    step = (x.amax(1).clamp(min=0) - x.amin(1).clamp(max=0)) / 255
+    assert bool(((rows - x).abs() <= step[:, None] / 2 + 1e-6).all())
+
+
 def test_artifact_cache_keys_on_the_quantization():
     from kvtrace.artifact.store import artifact_key
 

@@ -232,10 +232,20 @@ def export(
         # written and checked on CPU only
         raise UnsupportedError(f"quant={qspec.scheme!r} on device {dev}: quantized weights are computed by CPU kernels "
                                "only; export with device='cpu', or without quant for a GPU")
-    if chosen.standalone and (qspec is not None or dev.type != "cpu" or slots is not None):
-        raise UnsupportedError(f"backend {backend!r} writes a CPU program of float weights for one conversation; "
-                               + (f"quant={qspec.scheme!r}" if qspec is not None
-                                  else f"device {dev}" if dev.type != "cpu" else f"slots={slots}")
+    if qspec is not None:
+        act = chosen.quant_activations(qspec.scheme)
+        if act is None:
+            from kvtrace.spec.quant import SCHEMES
+
+            offered = [s for s in SCHEMES if chosen.quant_activations(s) is not None]
+            raise UnsupportedError(f"backend {backend!r} does not offer quant={qspec.scheme!r}; it takes "
+                                   f"{' / '.join(map(repr, offered)) or 'no quantized weights'}. Use one of those, or "
+                                   "backend 'aoti'")
+        if act != qspec.activations:  # the backend's kernels compute the scheme their own way: recorded
+            qspec = dataclasses.replace(qspec, act=act)
+    if chosen.standalone and (dev.type != "cpu" or slots is not None):
+        raise UnsupportedError(f"backend {backend!r} writes a CPU program for one conversation; "
+                               + (f"device {dev}" if dev.type != "cpu" else f"slots={slots}")
                                + " is not offered with it yet. Use backend 'aoti', or export without it")
     check_available(dev, f"export to device {dev}")
     dev = concrete(dev)

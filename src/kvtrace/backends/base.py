@@ -74,6 +74,14 @@ class Backend:
         kvtrace said less in their ProgramSpecs (``aoti_packed``)."""
         return dict(programs)
 
+    def quant_activations(self, scheme: str) -> str | None:
+        """What this backend's programs compute quantized weights of ``scheme`` with (``QuantSpec.activations``:
+        the ACTIVATIONS of ``spec.quant``, or a mode of the backend's own kernels), or None where it does not offer
+        the scheme. Default: every scheme, computed as the spec defines it."""
+        from kvtrace.spec.quant import ACTIVATIONS
+
+        return ACTIVATIONS.get(scheme)
+
     def check_programs(self, names: Sequence[str], model: str) -> None:
         """Raise UsageError, before any capture, if this backend cannot serve a decoder declaring ``names``."""
 

@@ -190,6 +190,12 @@ class ExecuTorchBackend(Backend):
         # prefill's program (T symbolic) is "forward" and serves decode too; others (prefill_image) by name
         return {FORWARD: programs["prefill"], **{n: p for n, p in programs.items() if n not in ("prefill", "decode")}}
 
+    def quant_activations(self, scheme: str) -> str | None:
+        # 8da4w as ExecuTorch's own exports compute it: XNNPACK's dynamically quantized GEMMs (each activation row
+        # int8 with a zero point, int4 weights; the int8 head per row). XNNPACK has no weight-only int8 / int4 GEMM
+        # and the portable kernels no GGUF blocks
+        return "int8-asym" if scheme == "8da4w" else None
+
     def program_specs(self, programs: tuple[ProgramSpec, ...], decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
         """Without ``key_pos``: ExecuTorch's runners pass tokens and positions only, and the fused kernels
         attend to the live prefix from the first position; ``forward_live`` programs become ``forward``."""

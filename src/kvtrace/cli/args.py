@@ -86,8 +86,9 @@ def kv_dtype_arg(p: argparse.ArgumentParser, many: bool = False) -> None:
 
 QUANT_HELP = ("weights: none (default) = the model's dtype; int8 = int8 per output channel; int4 = 4-bit groups "
               "with scale and zero; 8da4w = int4 weights, int8 dynamic activations (these three run torch's CPU "
-              "kernels with bf16 activations); gguf = a GGUF's own Q4_0/Q4_1/Q8_0 blocks kept as stored, computed "
-              "in float32 (Llama-family decoders)")
+              "kernels with bf16 activations; --backend executorch takes 8da4w, as XNNPACK's dynamically quantized "
+              "GEMMs); gguf = a GGUF's own Q4_0/Q4_1/Q8_0 blocks kept as stored, computed in float32 (Llama-family "
+              "decoders)")
 
 
 def quant_args(p: argparse.ArgumentParser, many: bool = False) -> None:

@@ -14,7 +14,11 @@ weights (and, with ``spec.head``, its ``nn.Embedding`` and the head tied to it) 
   block) that Inductor generates from ``GGUFLinear._decode``, reading the tiles once; more rows (prefill) dequantize the
   weight (``d * q + m`` in float32, bit for bit what gguf's dequantize gives) and multiply it with ATen;
 - ``Int8Embedding`` / ``GGUFEmbedding``: the embedding rows gathered and dequantized; a tied head shares
-  their buffers (stored once).
+  their buffers (stored once);
+- ``DynQuantLinear`` (8da4w with ``act="int8-asym"``, the ``executorch`` backend's): the same int4 weights (and int8
+  head) as signed integers with float32 scales, each activation row quantized to int8 with a zero point, float32
+  otherwise, written with torchao's quantize / dequantize ops: ExecuTorch's XNNPACK partitioner lowers that
+  pattern to its dynamically quantized GEMMs, and eager computes the same formula.
 
 The kernels take bfloat16 activations: their float32 paths are scalar reference loops (~30-60x slower
 on SmolLM2's shapes, measured), and Inductor's CPU WOQ GEMM templates take bf16 only. So int8/int4/8da4w
@@ -42,8 +46,9 @@ from torch import nn
 from kvtrace._errors import UnsupportedError
 from kvtrace.spec.quant import QuantSpec
 
-__all__ = ["DequantLinear", "GGUFEmbedding", "GGUFLinear", "GGUFRows", "Int4Linear", "Int8Embedding", "Int8Linear",
-           "dequantize_int4", "pack_int4", "quantize_decoder", "quantize_int4", "quantize_int8", "template_ops"]
+__all__ = ["DequantLinear", "DynQuantLinear", "GGUFEmbedding", "GGUFLinear", "GGUFRows", "Int4Linear", "Int8Embedding",
+           "Int8Linear", "dequantize_int4", "dynamic_int8_rows", "pack_int4", "quantize_decoder", "quantize_int4",
+           "quantize_int8", "template_ops"]
 
 BF16 = torch.bfloat16
 # gguf: a lookup from a float32 weight [N, K] to its GGUF blocks: (format, q [N, K/32, 32], d [N, K/32], m or None),
@@ -126,6 +131,42 @@ def _quant_rows_int8(x: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     s = (xf.abs().amax(dim=-1, keepdim=True) / 127).clamp(min=1e-10)
     return torch.round(xf / s).clamp(-128, 127) * s
+
+
+def dynamic_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """Activations "int8-asym": each row of ``x`` (float32) quantized to int8 with its own scale and zero point (the
+    range widened to hold 0) and back, with torchao's ops (a dependency of executorch): the pattern ExecuTorch's
+    XNNPACK partitioner takes for its dynamically quantized (qd8) GEMMs, and what eager computes alike."""
+    import torchao.quantization.quant_primitives  # noqa: F401  (registers torch.ops.torchao)
+
+    ops = torch.ops.torchao
+    block = [1] * (x.dim() - 1) + [x.shape[-1]]  # one row
+    scale, zero = ops.choose_qparams_affine(x, "ASYMMETRIC", block, torch.int8, -128, 127,
+                                            torch.finfo(torch.float32).eps, torch.float32, torch.int8)
+    q = ops.quantize_affine(x, block, scale, zero, torch.int8, -128, 127)
+    return ops.dequantize_affine(q, block, scale, zero, torch.int8, -128, 127, output_dtype=torch.float32)
+
+
+class DynQuantLinear(nn.Module):
+    """y = rows(x) @ W.T (+ bias), ``rows``: ``dynamic_int8_rows``; W = q * scale per group of ``group_size`` input
+    features (symmetric: q int8 in [-8, 7] for int4, [-128, 127] for an int8 head with one group per row); float32.
+    The executorch backend's 8da4w: ExecuTorch's XNNPACK partitioner lowers it to qd8-f32-qb4w / qc8w GEMMs."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, group_size: int, bits: int, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", q)  # [N, K] int8
+        self.register_buffer("scale", scale)  # [N, K / group_size] float32 (bf16 values: the quantizer's)
+        self.register_buffer("zero", torch.zeros(scale.shape, dtype=torch.int8))  # [N, K / group_size]
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group_size, self.qmin, self.qmax = group_size, -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torchao.quantization.quant_primitives  # noqa: F401
+
+        w = torch.ops.torchao.dequantize_affine(self.weight, [1, self.group_size], self.scale, self.zero, torch.int8,
+                                                self.qmin, self.qmax, output_dtype=torch.float32)  # [N, K]
+        y = F.linear(dynamic_int8_rows(x.float()), w).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
 
 class Int8Linear(nn.Module):
@@ -348,7 +389,8 @@ class GGUFEmbedding(nn.Module):
 
 class DequantLinear(nn.Module):
     """The reference of a quantized linear: its weight dequantized to float32, ``F.linear``, with the program's
-    activation rounding (``activations``: "bfloat16", "int8-dynamic" (then bf16) or "float32": none)."""
+    activation rounding (``activations``: "bfloat16", "int8-dynamic" (then bf16), "int8-asym" (float32 otherwise)
+    or "float32": none)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, activations: str):
         super().__init__()
@@ -360,10 +402,13 @@ class DequantLinear(nn.Module):
         rows = x.float()
         if self.activations == "int8-dynamic":
             rows = _quant_rows_int8(rows)
-        if self.activations != "float32":
+        elif self.activations == "int8-asym":
+            rows = dynamic_int8_rows(rows)
+        bf16 = self.activations in ("bfloat16", "int8-dynamic")
+        if bf16:
             rows = rows.to(BF16).float()
         y = F.linear(rows, self.weight)
-        if self.activations != "float32":
+        if bf16:
             y = y.to(BF16)
         y = y.to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -401,6 +446,7 @@ def quantize_decoder(decoder: nn.Module, spec: QuantSpec, *, gguf: GGUFRows | No
         raise UnsupportedError("quant='gguf' keeps a GGUF file's blocks; this model was not loaded from a GGUF file. "
                                "Pass a .gguf source, or use --quant int8 / int4")
     act = activations or spec.activations
+    asym = spec.activations == "int8-asym"  # the executorch backend's modules (``DynQuantLinear``)
     dtype = decoder.cache_spec.torch_dtype
     linears, embeds, tied = _targets(decoder)
     chosen = spec.tensors or None  # a recorded spec: exactly its modules
@@ -439,7 +485,7 @@ def quantize_decoder(decoder: nn.Module, spec: QuantSpec, *, gguf: GGUFRows | No
         else:
             _set(decoder, ename, Int8Embedding(q, scale, dtype))
             for h in heads:
-                _set(decoder, h, Int8Linear(q, scale, None))
+                _set(decoder, h, _int8_linear(q, scale, None, asym))
         tensors[ename] = "int8"
         tensors.update({h: f"tied:{ename}" for h in heads})
     for name, lin in linears.items():
@@ -461,13 +507,13 @@ def quantize_decoder(decoder: nn.Module, spec: QuantSpec, *, gguf: GGUFRows | No
                 continue
             q, scale = quantize_int8(w)
             _set(decoder, name, DequantLinear(q.float() * scale.float()[:, None], bias, act) if reference
-                 else Int8Linear(q, scale, bias))
+                 else _int8_linear(q, scale, bias, asym))
             tensors[name] = "int8"
         else:  # int4 / 8da4w
             if chosen is not None and chosen[name] == "int8":  # a recorded int8 head
                 q, scale = quantize_int8(w)
                 _set(decoder, name, DequantLinear(q.float() * scale.float()[:, None], bias, act) if reference
-                     else Int8Linear(q, scale, bias))
+                     else _int8_linear(q, scale, bias, asym))
                 tensors[name] = "int8"
                 continue
             g = spec.group_size
@@ -478,6 +524,8 @@ def quantize_decoder(decoder: nn.Module, spec: QuantSpec, *, gguf: GGUFRows | No
             q, scale, zero = quantize_int4(w, g, symmetric=sym)
             if reference:
                 mod = DequantLinear(dequantize_int4(q, scale, zero), bias, act)
+            elif asym:  # signed values, the scales as float32: XNNPACK packs them itself (no int4pack layout)
+                mod = DynQuantLinear(q.to(torch.int8) - 8, scale.float(), g, 4, bias)
             else:
                 mod = Int4Linear(*pack_int4(q, scale, zero), g, bias, act_int8=sym)
             _set(decoder, name, mod)
@@ -485,6 +533,11 @@ def quantize_decoder(decoder: nn.Module, spec: QuantSpec, *, gguf: GGUFRows | No
     if chosen is not None and set(chosen) != set(tensors) and not reference:
         raise UnsupportedError(f"the decoder's modules do not match the recorded quantization: "
                                f"{sorted(set(chosen) ^ set(tensors))[:4]}")
-    packed = not reference and any(f.startswith("int4") for f in tensors.values())
+    packed = not reference and not asym and any(f.startswith("int4") for f in tensors.values())
     return QuantSpec(spec.scheme, spec.group_size, spec.head, tensors, dequantized,
-                     int4_layout=int4pack_layout() if packed else None)
+                     int4_layout=int4pack_layout() if packed else None, act=spec.act)
+
+
+def _int8_linear(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, asym: bool) -> nn.Module:
+    """An int8 head (per row): torch's weight-only kernel, or with "int8-asym" activations XNNPACK's qc8w pattern."""
+    return DynQuantLinear(q, scale.float()[:, None], q.shape[1], 8, bias) if asym else Int8Linear(q, scale, bias)

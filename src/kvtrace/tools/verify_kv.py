@@ -34,7 +34,7 @@ import torch
 
 from kvtrace._errors import UsageError
 from kvtrace.spec.cache import CacheSpec
-from kvtrace.spec.quant import QuantSpec
+from kvtrace.spec.quant import BF16_ACTIVATIONS, QuantSpec
 from kvtrace.tools import noise as _noise
 from kvtrace.tools.runners import DecoderRunner, Prompt, Runner
 from kvtrace.tools.verify import NoiseFloor, VerifyReport, verify
@@ -112,7 +112,7 @@ def verify_by_cache(model: torch.nn.Module, eager: Runner, candidates: Sequence[
     report = verify(eager, plain, prompts, steps=steps, dtype=dtype, fp32=fp32) if plain or not groups else None
     for (spec, quant), cands in groups.items():
         high = None
-        if quant is not None and quant.activations != "float32":  # same weights, float32 activations
+        if quant is not None and quant.activations in BF16_ACTIVATIONS:  # same weights, float32 activations
             high = decoder_reference(model, spec, "decoder-eager-fp32-activations", quant, activations="float32")
         elif dtype != torch.float32 and fp32 is not None:  # the same decoder in float32: the second route
             high = decoder_reference(model, dataclasses.replace(spec, dtype="float32"), "decoder-eager-fp32", quant)
