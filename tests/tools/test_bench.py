@@ -103,3 +103,21 @@ def test_bench_kv_dtype_list_is_checked(capsys):
     assert main(["bench", "--serve", "--kv-dtype", "int8"]) == 2
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
     assert "--kv-dtype" in line and "drop it" in line
+
+
+def test_the_bound_of_xnnpacks_8da4w_counts_what_xnnpack_reads():
+    """executorch's 8da4w (``DynQuantLinear``): 4-bit weights two a byte with a bf16 scale per group of 32, the int8
+    head one byte a weight with a float32 scale per row (a tied head's table counted once, with the embedding)."""
+    from kvtrace.tools.bench import _kv_bytes, _quant_bytes_per_token
+
+    model = tiny_model("llama")
+    cfg = model.config
+    d, f, layers, v = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    n_kv = cfg.num_key_value_heads * (d // cfg.num_attention_heads)
+    linear = layers * (d * (d + 2 * n_kv) + d * d + 3 * d * f)  # wqkv, wo, w13, w2: weights per layer
+    got = _quant_bytes_per_token(model, None, "8da4w", 32, 10, act="int8-asym") - _kv_bytes(model, 10, "auto")
+    norms = (2 * layers + 1) * d * 4
+    embed = v * d + v * 2  # int8 table + bf16 scale per row
+    head = v * d + v * 4  # untied: int8 + float32 scale per row
+    assert got == linear // 2 + linear // 32 * 2 + embed + head + norms
+    assert got < _quant_bytes_per_token(model, None, "8da4w", 32, 10) - _kv_bytes(model, 10, "auto")  # int4pack

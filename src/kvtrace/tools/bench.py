@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import json
 import os
@@ -50,6 +51,13 @@ __all__ = ["COLUMNS", "BenchResult", "bytes_per_token", "hf_stepper", "measure",
            "render_markdown", "run_bench", "session_stepper", "sync"]
 
 BASELINE = "hf-eager"  # the yardstick for ratios and token identity
+
+
+def _activations(backend: str, quant: str) -> str | None:
+    """What ``backend``'s programs compute ``quant``'s weights with (None for the eager baseline)."""
+    from kvtrace.backends import registry
+
+    return None if backend == BASELINE else registry.get(backend).quant_activations(quant)
 
 
 def _artifact_backends() -> tuple[str, ...]:
@@ -415,9 +423,12 @@ def _kv_bytes(model: torch.nn.Module, ctx: int, kv_dtype: str) -> int:
 
 
 def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_seq_len: int, ctx: int,
-                           group_size: int | None = None, head: bool = True, kv_dtype: str = "auto") -> int:
+                           group_size: int | None = None, head: bool = True, kv_dtype: str = "auto",
+                           act: str | None = None) -> int:
     """``_bytes_per_token`` of the model with ``quant``'s weights: every weight of its quantized decoder once, as
-    stored (int8 / packed int4 / GGUF blocks and their scales; norms and unquantized tensors in their dtype)."""
+    stored (int8 / packed int4 / GGUF blocks and their scales; norms and unquantized tensors in their dtype).
+    ``act``: the backend's activations for the scheme (``Backend.quant_activations``); with "int8-asym" the
+    linears are ``DynQuantLinear``, counted as XNNPACK stores them (``_xnnpack_bytes``)."""
     from kvtrace.models import quant as q
     from kvtrace.models.registry import make_decoder
     from kvtrace.spec.quant import parse_quant
@@ -429,10 +440,25 @@ def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_
         from kvtrace.sources.resolve import resolve_source
 
         blocks = GGUFBlocks(resolve_source(source).path)
-    q.quantize_decoder(decoder, parse_quant(quant, group_size, head), gguf=blocks)
+    spec = parse_quant(quant, group_size, head)
+    if spec is not None and act is not None and act != spec.activations:
+        spec = dataclasses.replace(spec, act=act)
+    q.quantize_decoder(decoder, spec, gguf=blocks)
     kinds = (q.Int8Linear, q.Int4Linear, q.GGUFLinear, q.Int8Embedding, q.GGUFEmbedding)
     tensors = [*decoder.parameters(), *(b for m in decoder.modules() if isinstance(m, kinds) for b in m.buffers())]
-    return _stored_bytes(tensors) + _kv_bytes(model, ctx, kv_dtype)
+    counted = {t.data_ptr() for t in tensors}  # a tied head's int8 table is the embedding's, counted with it
+    xnn = sum(_xnnpack_bytes(m) for m in decoder.modules()
+              if isinstance(m, q.DynQuantLinear) and m.weight.data_ptr() not in counted)
+    return _stored_bytes(tensors) + xnn + _kv_bytes(model, ctx, kv_dtype)
+
+
+def _xnnpack_bytes(lin: Any) -> int:
+    """What XNNPACK reads of a ``DynQuantLinear`` per call: its weights at their bit width (4-bit packed two a byte)
+    and scales as its serializer stores them (bf16 per group, float32 per channel); the zero points are not read
+    (symmetric); a bias is a parameter, counted with the others."""
+    n, k = lin.weight.shape
+    bits = (lin.qmax + 1).bit_length()  # qmax 7: 4 bits, 127: 8
+    return n * k * bits // 8 + lin.scale.numel() * (2 if lin.group_size != k else 4)
 
 
 @contextlib.contextmanager
@@ -564,10 +590,11 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                         if qn == "none":
                             per_tok = _bytes_per_token(m, ctx, kv)
                         else:
-                            if (qn, kv) not in per_quant:
-                                per_quant[qn, kv] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx,
-                                                                           quant_group_size, quant_head, kv)
-                            per_tok = per_quant[qn, kv]
+                            act = _activations(b, qn)
+                            if (qn, kv, act) not in per_quant:
+                                per_quant[qn, kv, act] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx,
+                                                                                quant_group_size, quant_head, kv, act)
+                            per_tok = per_quant[qn, kv, act]
                         _fill(r, got, fresh, s, bw, per_tok)
                         if b == BASELINE:
                             ref_tokens = r.tokens
