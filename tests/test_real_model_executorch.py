@@ -43,3 +43,23 @@ def test_real_model_pte_verifies_against_eager(smol, tmp_path):
     Console(width=180).print(render(report))
     assert report.passed, report.summary()
     assert len(report.rows) == 2 * 9 and all(r.token_agree for r in report.rows)
+
+
+def test_real_model_8da4w_pte_verifies_against_the_same_quantized_weights(smol, tmp_path):
+    """8da4w as XNNPACK's dynamically quantized GEMMs: judged against eager over the same int4 weights with the same
+    int8 rows, on the reference's noise floor (one ulp off a rounding tie moves an activation a whole int8 step)."""
+    pte = kvtrace.export("smollm2-135m-instruct", tmp_path / "q.pte", max_seq_len=128, backend="executorch",
+                         quant="8da4w")
+    art = kvtrace.load(pte)
+    assert art.manifest.quant.activations == "int8-asym"
+    assert pte.stat().st_size < 0.2 * 538_060_032  # the fp32 weights' bytes
+    prompts = [smol.tokenizer.encode("The capital of France is").ids, [1, 504, 3458, 282]]
+    report = verify_by_cache(smol.model, EagerRunner(smol.model), [SessionRunner(art.session(), "8da4w")],
+                             prompts, steps=4)
+    from rich.console import Console
+
+    Console(width=180).print(render(report))
+    assert report.passed, report.summary()
+    assert report.floors["8da4w"] is not None
+    (s,) = report.summary()
+    assert s["reference"] == "decoder-eager-8da4w-g32-int8-asym" and s["tokens_agree"] >= s["steps"] - 2

@@ -11,7 +11,8 @@ XNNPACK takes:
 - ``_delegable_norms``: an RMSNorm's ``mean(x [B, T, C], -1)`` as XNNPACK's 4-D mean;
 - ``_delegable_views``: a view to a shape holding the symbolic token count, with that size as ``-1``;
 - ``_split_projections``: ``split(linear(x, W), sizes, -1)`` as one linear per piece over ``W``'s rows (the
-  rows sliced once, here, as the program's constants; ``W`` itself dropped when nothing else reads it);
+  rows sliced once, here, as the program's constants; ``W`` itself dropped when nothing else reads it); for an
+  8da4w weight, ``W = dequantize_affine(q, scale, zero)``, its q, scale and zero rows sliced alike;
 - ``_rotate_half_as_linear``: RoPE's ``cat(-x2, x1)`` of the halves of ``x [..., D]`` as ``linear(x, R)``
   with R [D, D] holding one ±1 per row (each output the one input it is, negated or not: exact);
 - ``_cancel_transposes``: ``transpose(transpose(x, a, b), a, b)`` as ``x``.
@@ -162,6 +163,21 @@ def _add_constant(ep: torch.export.ExportedProgram, name: str, data: torch.Tenso
         return create_constant_placeholder(ep, ep.graph, name, InputKind.PARAMETER, data)
 
 
+def _dequantized(ep: torch.export.ExportedProgram, node: Any) -> list[tuple[torch.fx.Node, torch.Tensor]] | None:
+    """[(q, its tensor), (scale, ...), (zero, ...)] when ``node`` is torchao's ``dequantize_affine`` of constants in
+    blocks within a row (``block_size [1, g]``: ``models.quant.DynQuantLinear``'s weight), else None."""
+    import torch
+
+    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
+            and str(node.target) == "torchao.dequantize_affine.default" and len(node.args) >= 4):
+        return None
+    block = node.args[1]
+    out = [(c, _constant(ep, c)) for c in node.args[0:1] + node.args[2:4]]
+    if list(block)[:1] != [1] or len(block) != 2 or any(t is None or t.dim() != 2 for _, t in out):
+        return None
+    return out  # type: ignore[return-value]
+
+
 def _drop_if_unused(ep: torch.export.ExportedProgram, node: torch.fx.Node) -> None:
     from executorch.backends.transforms.utils import delete_constant_placeholder
 
@@ -184,13 +200,23 @@ def _split_projections(ep: torch.export.ExportedProgram) -> torch.export.Exporte
             continue
         x, w_node, b_node = lin.args[0], lin.args[1], lin.args[2] if len(lin.args) > 2 else None
         w = _constant(ep, w_node)
+        dq = _dequantized(ep, w_node) if w is None else None  # 8da4w: W = dequantize(q, scale, zero) per row
         b = _constant(ep, b_node) if b_node is not None else None
-        if w is None or w.dim() != 2 or (b_node is not None and b is None):
+        if (w is None and dq is None) or (w is not None and w.dim() != 2) or (b_node is not None and b is None):
             continue
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         pieces = []
         for a, n in zip(starts, sizes, strict=True):
-            wi = _add_constant(ep, f"{w_node.name}_rows_{a}_{a + n}", w.detach()[a:a + n].contiguous())
+            if dq is None:
+                wi = _add_constant(ep, f"{w_node.name}_rows_{a}_{a + n}", w.detach()[a:a + n].contiguous())
+            else:  # the quantized rows, their scales and zeros sliced alike; dequantized by a node of their own
+                rows = [_add_constant(ep, f"{c.name}_rows_{a}_{a + n}", t.detach()[a:a + n].contiguous())
+                        for c, t in dq]
+                with graph.inserting_before(split):
+                    wi = graph.call_function(w_node.target, (rows[0], w_node.args[1], rows[1], rows[2],
+                                                             *w_node.args[4:]), dict(w_node.kwargs))
+                wi.meta.update({k: v for k, v in w_node.meta.items() if k != "val"})
+                wi.meta["val"] = w_node.meta["val"][a:a + n]
             bi = (_add_constant(ep, f"{b_node.name}_rows_{a}_{a + n}", b.detach()[a:a + n].contiguous())
                   if b is not None else None)
             with graph.inserting_before(split):
@@ -203,7 +229,12 @@ def _split_projections(ep: torch.export.ExportedProgram) -> torch.export.Exporte
             graph.erase_node(user)
         graph.erase_node(split)
         graph.erase_node(lin)
-        _drop_if_unused(ep, w_node)
+        if dq is None:
+            _drop_if_unused(ep, w_node)
+        elif not w_node.users:
+            graph.erase_node(w_node)
+            for c, _ in dq:
+                _drop_if_unused(ep, c)
         if b_node is not None:
             _drop_if_unused(ep, b_node)
         changed = True

@@ -165,7 +165,9 @@ class DynQuantLinear(nn.Module):
 
         w = torch.ops.torchao.dequantize_affine(self.weight, [1, self.group_size], self.scale, self.zero, torch.int8,
                                                 self.qmin, self.qmax, output_dtype=torch.float32)  # [N, K]
-        y = F.linear(dynamic_int8_rows(x.float()), w).to(x.dtype)
+        y = F.linear(dynamic_int8_rows(x.float()), w)  # [..., N] float32
+        if y.dtype != x.dtype:  # a trace-time choice: no conversion node for a float32 model (it would hide the linear
+            y = y.to(x.dtype)  # from the executorch backend's split rewrite, ``executorch_graph._split_projections``)
         return y if self.bias is None else y + self.bias
 
 
