@@ -62,4 +62,6 @@ def test_real_model_8da4w_pte_verifies_against_the_same_quantized_weights(smol, 
     assert report.passed, report.summary()
     assert report.floors["8da4w"] is not None
     (s,) = report.summary()
-    assert s["reference"] == "decoder-eager-8da4w-g32-int8-asym" and s["tokens_agree"] >= s["steps"] - 2
+    # teacher-forced greedy tokens: 8/10 measured, where the reference's own perturbed runs agree on 6/10 (8da4w's
+    # activations flip on SmolLM2's outliers), so only a collapse is a failure here; the floor judges the rest
+    assert s["reference"] == "decoder-eager-8da4w-g32-int8-asym" and s["tokens_agree"] >= s["steps"] // 2
