@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvtrace
-from conftest import make_tiny_hf_dir
+from conftest import make_tiny_hf_dir, terminal_signals
 from kvtrace._errors import UsageError
 from kvtrace.artifact import tiered
 from kvtrace.artifact.store import cached_artifact, clear_artifacts, entry_path
@@ -192,7 +192,7 @@ FOREGROUND = textwrap.dedent("""
 def test_the_build_process_never_outlives_the_foreground(hf_dir, tmp_path, how):
     env = {**os.environ, "KVTRACE_CACHE": str(tmp_path / "fg")}
     fg = subprocess.Popen([sys.executable, "-c", FOREGROUND, str(hf_dir), how], stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, text=True, env=env)
+                          stdout=subprocess.PIPE, text=True, env=env, preexec_fn=terminal_signals)
     child = int(fg.stdout.readline())
     assert not _gone(child, timeout=0.5)  # the build runs
     fg.stdin.write("go\n")

@@ -13,7 +13,7 @@ import pexpect
 import pytest
 
 import kvtrace
-from conftest import make_tiny_hf_dir
+from conftest import make_tiny_hf_dir, terminal_signals
 from kvtrace.runtime.chat import Conversation
 
 ANSWER = 5  # --max-new-tokens
@@ -48,7 +48,8 @@ def _in_process(path, turns: list[str]) -> list[tuple[str, dict]]:
 
 def _spawn(path, tmp_path) -> pexpect.spawn:
     child = pexpect.spawn(sys.executable, ["-m", "kvtrace.cli", "chat", str(path), "--max-new-tokens", str(ANSWER)],
-                          env=_env(tmp_path), encoding="utf-8", timeout=300, dimensions=(40, 200))
+                          env=_env(tmp_path), encoding="utf-8", timeout=300, dimensions=(40, 200),
+                          preexec_fn=terminal_signals)
     child.expect_exact("> ")
     return child
 
