@@ -241,8 +241,7 @@ def export(
             raise UnsupportedError(f"backend {backend!r} does not offer quant={qspec.scheme!r}; it takes "
                                    f"{' / '.join(map(repr, offered)) or 'no quantized weights'}. Use one of those, or "
                                    "backend 'aoti'")
-        if act != qspec.activations:  # the backend's kernels compute the scheme their own way: recorded
-            qspec = dataclasses.replace(qspec, act=act)
+        qspec = qspec.computed_with(act)  # recorded where the backend's kernels compute the scheme their own way
     if chosen.standalone and (dev.type != "cpu" or slots is not None):
         raise UnsupportedError(f"backend {backend!r} writes a CPU program for one conversation; "
                                + (f"device {dev}" if dev.type != "cpu" else f"slots={slots}")

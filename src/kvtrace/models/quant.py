@@ -158,7 +158,8 @@ class DynQuantLinear(nn.Module):
         self.register_buffer("scale", scale)  # [N, K / group_size] float32 (bf16 values: the quantizer's)
         self.register_buffer("zero", torch.zeros(scale.shape, dtype=torch.int8))  # [N, K / group_size]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.group_size, self.qmin, self.qmax = group_size, -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+        self.group_size, self.bits = group_size, bits
+        self.qmin, self.qmax = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torchao.quantization.quant_primitives  # noqa: F401

@@ -25,6 +25,7 @@ Layer 1: imports nothing from kvtrace but ``kvtrace._errors``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +99,11 @@ class QuantSpec:
         """What the quantized matmuls compute with: "bfloat16", "int8-dynamic" (8da4w), "int8-asym" (executorch's
         8da4w) or "float32" (gguf)."""
         return self.act or ACTIVATIONS[self.scheme]
+
+    def computed_with(self, activations: str) -> QuantSpec:
+        """This spec as a backend whose kernels compute it with ``activations`` (``Backend.quant_activations``):
+        itself where those are the scheme's own, else with ``act`` recorded."""
+        return self if activations == self.activations else dataclasses.replace(self, act=activations)
 
     @property
     def key(self) -> str:

@@ -111,9 +111,7 @@ def quant_tolerance(dtype: torch.dtype, activations: str) -> Tolerance:
     not ATen's) lands one int8 step away, and the steps compound through the layers: a step is max|row| / 255, as
     coarse as a bf16 ulp of the row's largest value, so the bf16 tolerance (a tiny Llama: two such rows put a
     layer-1 K 2.6e-3 of max|K| off, past the float32 tolerance plus one int8 step), without a second route."""
-    from kvtrace.spec.quant import BF16_ACTIVATIONS
-
-    return tolerance_for(torch.bfloat16) if activations in (*BF16_ACTIVATIONS, "int8-asym") else tolerance_for(dtype)
+    return tolerance_for(dtype) if activations == "float32" else tolerance_for(torch.bfloat16)
 
 
 # the noise-floor route: a candidate may be this many times further from the reference than the reference is

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import gc
 import json
 import os
@@ -441,9 +440,7 @@ def _quant_bytes_per_token(model: torch.nn.Module, source: Any, quant: str, max_
 
         blocks = GGUFBlocks(resolve_source(source).path)
     spec = parse_quant(quant, group_size, head)
-    if spec is not None and act is not None and act != spec.activations:
-        spec = dataclasses.replace(spec, act=act)
-    q.quantize_decoder(decoder, spec, gguf=blocks)
+    q.quantize_decoder(decoder, spec if spec is None or act is None else spec.computed_with(act), gguf=blocks)
     kinds = (q.Int8Linear, q.Int4Linear, q.GGUFLinear, q.Int8Embedding, q.GGUFEmbedding)
     tensors = [*decoder.parameters(), *(b for m in decoder.modules() if isinstance(m, kinds) for b in m.buffers())]
     counted = {t.data_ptr() for t in tensors}  # a tied head's int8 table is the embedding's, counted with it
@@ -457,8 +454,7 @@ def _xnnpack_bytes(lin: Any) -> int:
     and scales as its serializer stores them (bf16 per group, float32 per channel); the zero points are not read
     (symmetric); a bias is a parameter, counted with the others."""
     n, k = lin.weight.shape
-    bits = (lin.qmax + 1).bit_length()  # qmax 7: 4 bits, 127: 8
-    return n * k * bits // 8 + lin.scale.numel() * (2 if lin.group_size != k else 4)
+    return n * k * lin.bits // 8 + lin.scale.numel() * (2 if lin.group_size != k else 4)
 
 
 @contextlib.contextmanager
