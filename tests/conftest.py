@@ -53,6 +53,8 @@ ESSENTIAL = (
     "tests/artifact/test_export.py::test_logits_and_cache_match_eager_step_by_step[llama-aoti]",
     "tests/artifact/test_export.py::test_aoti_packed_matches_eager_with_one_program_holding_the_weights[float32-all]",
     "tests/backends/test_executorch.py::test_llama_pte_verifies_logits_and_every_cache_layer",
+    "tests/backends/test_executorch.py::test_loading_needs_no_transformers_no_torch_export_deserialization_and_no_"
+    "compiler",
     "tests/models/test_quant.py::test_compiled_quantized_artifacts_verify[gguf-aoti]",
 )
 

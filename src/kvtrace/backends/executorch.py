@@ -81,11 +81,16 @@ def is_pte(path: str | os.PathLike[str]) -> bool:
     return head[_MAGIC_OFFSET:] == _MAGIC
 
 
-def require() -> None:
-    """Import ExecuTorch (and its LLM custom ops), or raise UsageError naming the extra to install."""
+def require(compiler: bool = True) -> None:
+    """Import ExecuTorch, or raise UsageError naming the extra to install. ``compiler``: its exporter and the
+    LLM custom ops' export-time registrations (``torch.ops.llama.*``); without it, only what running a .pte
+    needs (``et_runtime``: seconds less to import)."""
+    from kvtrace.backends import et_runtime  # torch: imported when a backend is used, not with kvtrace
+
     try:
-        import executorch  # noqa: F401
-        from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401  (registers torch.ops.llama.*)
+        if compiler:
+            from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
+        et_runtime.runtime()
     except ImportError as e:
         raise UsageError(f"the executorch backend needs ExecuTorch ({e}); install it with "
                          f"pip install 'kvtrace[{EXTRA}]' (executorch 1.5.x, with torch 2.13)") from e
@@ -283,7 +288,7 @@ class ExecuTorchBackend(Backend):
         return is_pte(path)
 
     def load_file(self, path: Path) -> tuple[Manifest, dict[str, Program], str | None]:
-        require()
+        require(compiler=False)
         tempcopy.remove_stale_dirs(TEMP_PREFIX)
         pte = _Pte(path)
         manifest, tokenizer_json = pte.read_records()
@@ -576,7 +581,7 @@ class _Pte:
     removes the dirs of dead ones). ``instance`` loads one program per Session (its own buffers)."""
 
     def __init__(self, path: Path):
-        from executorch.runtime import Runtime
+        from kvtrace.backends import et_runtime
 
         self.path = path
         tmp = tempcopy.new_dir(TEMP_PREFIX)
@@ -588,7 +593,8 @@ class _Pte:
                 if tempcopy.copy_range(src, 0, size, self.copy, sync=False) != size:
                     raise ArtifactError(f"{path} shrank while it was being loaded; load it again once it is written")
             try:
-                self.program = Runtime.get().load_program(self.copy)  # the first instance: records and checks
+                self.program = et_runtime.load_program(self.copy)  # the first instance: records and checks
+                self.method_names = et_runtime.method_names(self.program)
             except Exception as e:
                 raise ArtifactError(f"{path} is not a loadable ExecuTorch program ({type(e).__name__}: {e}); "
                                     "re-export it") from e
@@ -598,9 +604,9 @@ class _Pte:
         self.state: list[dict[str, Any]] = []
 
     def _const(self, name: str) -> Any:
-        if name not in self.program.method_names:
+        if name not in self.method_names:
             return None
-        (value,) = self.program.load_method(name).execute([])
+        (value,) = self.program.load_method(name)([])
         return value
 
     def read_records(self) -> tuple[Manifest, str | None]:
@@ -632,10 +638,10 @@ class _Pte:
                                 f"{len(bufs)} buffers; the file is inconsistent, re-export it")
         dtypes = _dtype_names()
         for name, program in EXECUTORCH.compiled(manifest.programs).items():
-            if name not in self.program.method_names:
-                raise ArtifactError(f"{self.path} has no method {name!r} (methods: {sorted(self.program.method_names)})"
+            if name not in self.method_names:
+                raise ArtifactError(f"{self.path} has no method {name!r} (methods: {sorted(self.method_names)})"
                                     "; the file is inconsistent, re-export it")
-            meta = self.program.metadata(name)
+            meta = self.program.method_meta(name)
             actual = [(tuple(info.sizes()), dtypes.get(info.dtype(), str(info.dtype())))
                       for info in map(meta.input_tensor_meta, range(meta.num_inputs()))]
             expected = expected_inputs(manifest, program, cache=False)
@@ -647,11 +653,11 @@ class _Pte:
 
     def instance(self, manifest: Manifest) -> tuple[dict[str, Program], list[torch.Tensor]]:
         """A fresh program (its own buffers, holding their initial values) -> callables and state views."""
-        from executorch.runtime import Runtime
+        from kvtrace.backends import et_runtime
 
-        program = Runtime.get().load_program(self.copy)
-        methods = {name: program.load_method(name) for name in EXECUTORCH.compiled(manifest.programs)}
-        first = next(iter(methods.values()))._method
+        program = et_runtime.load_program(self.copy)
+        methods = {name: et_runtime.load_method(program, name) for name in EXECUTORCH.compiled(manifest.programs)}
+        first = next(iter(methods.values()))
         state = []
         for s, b in zip(self.state, manifest.cache_spec.buffers(), strict=True):
             t = first.get_attribute(s["fqn"])  # the buffer itself, no copy
@@ -686,7 +692,7 @@ def _runner(method: Any, keepalive: Any) -> Callable[..., torch.Tensor]:
     """A Decoder program over one method: (tokens, input_pos, *inputs) -> logits (the cache is inside)."""
 
     def run(*flat: torch.Tensor) -> torch.Tensor:
-        (logits,) = method.execute(list(flat))
+        (logits,) = method(list(flat))
         return logits
 
     run.program = keepalive  # the buffers live as long as the program object, the file it maps as long as _Pte
