@@ -216,7 +216,22 @@ def test_eager_artifact_runs_what_the_export_would(hf_dir, compiled):
     assert isinstance(eager, kvtrace.Artifact)
 
 
-def test_tiered_start_refuses_backends_whose_programs_hold_their_cache(hf_dir):
-    """The swap hands the session's cache to the compiled programs; an ExecuTorch program keeps its own."""
-    with pytest.raises(UsageError, match="executorch programs hold their own cache"):
-        tiered.start(str(hf_dir), backend="executorch", max_seq_len=32)
+@pytest.mark.compile
+def test_tiered_start_swaps_into_an_executorch_program_and_caches_it(hf_dir):
+    """An ExecuTorch program holds its cache: the swap copies the eager session's cache into its buffers."""
+    tier = tiered.start(str(hf_dir), backend="executorch", max_seq_len=32)
+    with tier:
+        assert tier.build is not None and tier.artifact.manifest.backend == "eager"
+        s = tier.artifact.session()
+        swapped = []
+        got = _greedy(s, 12, 5, lambda: swapped.append(tier.poll(s, wait=True)))
+        assert swapped == [True] and tier.error is None and s.label == "executorch"
+        assert tier.build.path.is_file()
+    again = tiered.start(str(hf_dir), backend="executorch", max_seq_len=32)  # a cache hit: the .pte's own session
+    assert again.build is None and again.compiled
+    assert got == _greedy(again.artifact.session(), 12)
+
+
+def test_tiered_start_refuses_a_scheme_the_backend_does_not_offer_before_any_build(hf_dir):
+    with pytest.raises(kvtrace.UnsupportedError, match="backend 'executorch' does not offer quant='int4'"):
+        tiered.start(str(hf_dir), backend="executorch", max_seq_len=32, quant="int4")

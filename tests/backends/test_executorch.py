@@ -151,6 +151,37 @@ def test_session_api_on_the_programs_own_buffers(llama_pte):
 
 
 @pytest.mark.compile
+def test_a_session_on_eager_programs_swaps_into_the_programs_buffers_mid_answer(llama_pte):
+    """The tiered start's swap: the eager decoder's cache is copied once into the .pte's own buffers, which are
+    the session's cache from then on; the answer goes on as the .pte's own session gives it."""
+    from kvtrace.runtime.session import Session, eager_programs
+
+    dec, path = llama_pte
+    art = kvtrace.load(path)
+    ref = art.session()
+    want = [ref.prefill(PROMPTS[0])] + [ref.decode([[t]]) for t in (3, 4, 5)]
+    s = Session.of(eager_programs(dec, prefill_logits="last", vocab_size=art.manifest.vocab_size))
+    got = [s.prefill(PROMPTS[0]), s.decode([[3]])]
+    eager_state = s.state
+    theirs = art.program_set()
+    s.swap(theirs)
+    assert s.label == "executorch" and s.position == len(PROMPTS[0]) + 1
+    assert [t.data_ptr() for t in s.state] == [t.data_ptr() for t in theirs.state]  # the program's memory
+    for mine, was in zip(s.state, eager_state, strict=True):  # copied in whole: the live prefix and the rest
+        assert torch.equal(mine, was)
+    got += [s.decode([[4]]), s.decode([[5]])]
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for mine, want_t in zip(s.state, ref.state, strict=True):
+        torch.testing.assert_close(mine, want_t, rtol=1e-4, atol=1e-4)
+    s.reset()  # the declared initial values, in the program's buffers
+    assert all(bool((t == KV_INIT).all()) for t in s.state)
+    with pytest.raises(UsageError, match="this session's programs hold its cache"):
+        s.swap(eager_programs(dec, prefill_logits="last"))  # out of a program's buffers: refused
+    assert s.label == "executorch"
+
+
+@pytest.mark.compile
 def test_a_loaded_pte_runs_from_a_private_copy_the_users_file_cannot_change(llama_pte, tmp_path, monkeypatch):
     import gc
     import os

@@ -31,7 +31,7 @@ from kvtrace.spec.manifest import Manifest, ModelInfo
 from kvtrace.spec.program import ProgramSpec, program_specs
 from kvtrace.spec.quant import QuantSpec, parse_quant
 
-__all__ = ["export", "from_source", "make_manifest"]
+__all__ = ["backend_quant", "export", "from_source", "make_manifest"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -232,16 +232,7 @@ def export(
         # written and checked on CPU only
         raise UnsupportedError(f"quant={qspec.scheme!r} on device {dev}: quantized weights are computed by CPU kernels "
                                "only; export with device='cpu', or without quant for a GPU")
-    if qspec is not None:
-        act = chosen.quant_activations(qspec.scheme)
-        if act is None:
-            from kvtrace.spec.quant import SCHEMES
-
-            offered = [s for s in SCHEMES if chosen.quant_activations(s) is not None]
-            raise UnsupportedError(f"backend {backend!r} does not offer quant={qspec.scheme!r}; it takes "
-                                   f"{' / '.join(map(repr, offered)) or 'no quantized weights'}. Use one of those, or "
-                                   "backend 'aoti'")
-        qspec = qspec.computed_with(act)  # recorded where the backend's kernels compute the scheme their own way
+    qspec = backend_quant(backend, qspec)
     if chosen.standalone and (dev.type != "cpu" or slots is not None):
         raise UnsupportedError(f"backend {backend!r} writes a CPU program for one conversation; "
                                + (f"device {dev}" if dev.type != "cpu" else f"slots={slots}")
@@ -325,6 +316,23 @@ def make_manifest(backend: str, decoder: torch.nn.Module, info: ModelInfo, progr
         kvtrace_version=__version__,
         torch_version=torch.__version__,
     )
+
+
+def backend_quant(backend: str, qspec: QuantSpec | None) -> QuantSpec | None:
+    """``qspec`` as ``backend``'s kernels compute it (``QuantSpec.computed_with``: recorded where they compute the
+    scheme their own way, e.g. ExecuTorch's 8da4w), or UnsupportedError naming the schemes it offers."""
+    if qspec is None:
+        return None
+    chosen = registry.get(backend)
+    act = chosen.quant_activations(qspec.scheme)
+    if act is None:
+        from kvtrace.spec.quant import SCHEMES
+
+        offered = [s for s in SCHEMES if chosen.quant_activations(s) is not None]
+        raise UnsupportedError(f"backend {backend!r} does not offer quant={qspec.scheme!r}; it takes "
+                               f"{' / '.join(map(repr, offered)) or 'no quantized weights'}. Use one of those, or "
+                               "backend 'aoti'")
+    return qspec.computed_with(act)
 
 
 def from_source(source: Any, *, dtype: str | torch.dtype, max_seq_len: int, batch_size: int = 1,

@@ -5,8 +5,9 @@ artifact's build (``store.cached_artifact``) in a child *process* at a lower pri
 returns a ``Tiered`` whose ``artifact`` is an in-memory artifact of the decoder's own eager programs over
 the same CacheSpec. Sessions start on those; between two tokens the caller asks ``poll(session)``, which
 — once the build has landed in the cache and been loaded (in a thread, so the stream does not stall) —
-swaps the compiled programs into the session (``Session.swap``: same CacheSpec, the cache kept; no
-re-prefill). The next run finds the artifact in the cache.
+swaps the compiled programs into the session (``Session.swap``: same CacheSpec, the cache kept, copied once
+into the programs' own buffers where they hold it (ExecuTorch); no re-prefill). The next run finds the
+artifact in the cache.
 
 Invariants:
 - the build is the cache's own (one lock per entry, the file renamed into place only when complete), so
@@ -34,9 +35,12 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvtrace._errors import KvtraceError, UsageError, one_line
+from kvtrace._errors import KvtraceError, one_line
+
+if TYPE_CHECKING:  # pragma: no cover
+    from kvtrace.spec.quant import QuantSpec
 
 __all__ = ["BackgroundBuild", "Tiered", "start"]
 
@@ -261,13 +265,14 @@ def start(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "f
     """The cached artifact (a hit: ``Tiered.build`` None), else the eager programs of the model with the
     artifact's build started in the background (CPU). ``progress``/``notice`` as ``cached_artifact`` takes them;
     ``quant``: quantized weights, the eager programs computing with the same quantized modules."""
+    from kvtrace.artifact.export import backend_quant
     from kvtrace.artifact.store import cached_artifact
-    from kvtrace.backends import registry
     from kvtrace.sources.resolve import resolve_source
+    from kvtrace.spec.quant import parse_quant
 
-    if registry.get(backend).holds_state:  # the swap hands the session's cache to the compiled programs
-        raise UsageError(f"a tiered start swaps the session's cache into the compiled programs, but {backend} "
-                         "programs hold their own cache; build it first (store.cached_artifact, --no-tiered)")
+    # the eager programs compute the quantized weights as the backend's kernels will (its activations), and a
+    # scheme the backend does not offer is refused now, not by the build minutes later
+    qspec = backend_quant(backend, parse_quant(quant, quant_group_size, quant_head))
     progress = progress or (lambda what: contextlib.nullcontext())
     src = resolve_source(source)
     found = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
@@ -277,8 +282,7 @@ def start(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "f
         return Tiered(found.artifact, None, backend)
     with progress("loading model (GGUF is converted once, then cached)"):
         art = eager_artifact(src, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
-                             prefill_logits=prefill_logits, kv_dtype=kv_dtype, quant=quant,
-                             quant_group_size=quant_group_size, quant_head=quant_head)
+                             prefill_logits=prefill_logits, kv_dtype=kv_dtype, quant=qspec)
     # started after the model is loaded: a GGUF is then converted once, here, and the child reads the cache
     build = BackgroundBuild(BuildRequest(source, backend, max_seq_len, dtype, batch_size, prefill_logits, kv_dtype,
                                          quant, quant_group_size, quant_head),
@@ -287,7 +291,7 @@ def start(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "f
 
 
 def eager_artifact(source: Any, *, max_seq_len: int, dtype: str = "float32", batch_size: int = 1,
-                   prefill_logits: str = "last", kv_dtype: str | None = None, quant: str | None = None,
+                   prefill_logits: str = "last", kv_dtype: str | None = None, quant: str | QuantSpec | None = None,
                    quant_group_size: int | None = None, quant_head: bool = True) -> Any:
     """An in-memory Artifact (manifest backend "eager") of a model source's decoder running its own programs
     uncompiled: what ``export`` would capture, ready at once. Nothing is written."""

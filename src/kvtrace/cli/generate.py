@@ -158,11 +158,10 @@ def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) ->
     device = getattr(args, "device", "cpu")
     args.backend = chosen_backend(args)
     quant = {k: getattr(args, k) for k in ("quant", "quant_group_size", "quant_head") if hasattr(args, k)}
-    from kvtrace.backends import registry
 
-    # the tiered start runs eager programs on the CPU and hands their cache to the compiled ones: a GPU artifact
-    # (--device cuda) or programs holding their own cache (executorch) are built first
-    if not args.tiered or str(device) != "cpu" or registry.get(args.backend).holds_state:
+    # the tiered start runs eager programs on the CPU and hands their cache to the compiled ones (copied into
+    # an ExecuTorch program's own buffers): a GPU artifact (--device cuda) is built first
+    if not args.tiered or str(device) != "cpu":
         built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
                                 progress=ui.step, load=True, notice=ui.notice, kv_dtype=kv_dtype, device=device,
                                 **quant)

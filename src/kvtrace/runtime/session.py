@@ -11,7 +11,8 @@ On a GPU (``device``) the state lives there and positions are made there (kernel
 
 Invariants:
 - the state tensors are allocated once and only ever updated in place (programs, reset, restore), so a CUDA
-  graph captured over them stays valid;
+  graph captured over them stays valid; the one exception is ``swap`` to programs that hold their own cache,
+  which moves the cache into theirs (one copy) and keeps theirs from then on;
 - every public call validates its arguments before the cache is touched: a refused call leaves the
   position, the state and the ``once`` programs run exactly as they were;
 - a ``Snapshot`` carries the identity of the artifact (or program pair) it was taken from and is
@@ -21,7 +22,9 @@ Invariants:
   per thread, or serialize calls yourself);
 - the cache belongs to the Session, not to its programs: ``swap`` replaces the programs between two calls
   (e.g. eager ones by the compiled ones of the same model once they are built) and keeps the cache and the
-  position, refusing programs that declare another CacheSpec, vocabulary, logits layout or extra programs.
+  position, refusing programs that declare another CacheSpec, vocabulary, logits layout or extra programs
+  (programs holding their own cache, e.g. an ExecuTorch program's buffers, get this session's cache copied
+  into those buffers; a session on such programs swaps to nothing else).
 """
 
 from __future__ import annotations
@@ -198,9 +201,13 @@ class Session:
         The cache is the Session's, so programs that declare the same CacheSpec (and the same vocabulary,
         prefill logits and extra programs) continue a conversation exactly where the old ones left it — e.g.
         the eager decoder's programs replaced by the AOTInductor-compiled ones of the same model once their
-        build lands (``kvtrace generate``'s tiered start). Refused with ``UsageError``, the session
-        untouched, for programs that declare anything else. Snapshots are tied to ``programs.identity`` from
-        now on (one taken before the swap restores into sessions of the old programs only).
+        build lands (``kvtrace generate``'s tiered start). Programs that hold their own cache (``programs.state``:
+        e.g. an ExecuTorch program's buffers, one program instance per ``program_set()``) get this session's
+        cache copied into their buffers, which are the session's state from then on (``state`` returns them;
+        tensors taken from ``state`` before are no longer the cache). Refused with ``UsageError``, the session
+        untouched, for programs that declare anything else, and for a session whose own programs hold its cache
+        (it cannot be carried out of them). Snapshots are tied to ``programs.identity`` from now on (one taken
+        before the swap restores into sessions of the old programs only).
         """
         if not isinstance(programs, ProgramSet):
             raise UsageError(f"swap takes a ProgramSet (e.g. artifact.program_set()); got {type(programs).__name__}")
@@ -209,10 +216,10 @@ class Session:
             if self._graphs is not None:
                 raise UsageError(f"{what} refused: this session decodes from captured graphs of its programs "
                                  "(cuda_graphs=True); start a new session on the new programs instead")
-            if self._held or programs.state is not None:
-                raise UsageError(f"{what} refused: {'these' if self._held else 'those'} programs hold their own "
-                                 "cache (e.g. an ExecuTorch program's buffers), so the session's cache cannot carry "
-                                 "over; start a new session on the new programs instead")
+            if self._held:
+                raise UsageError(f"{what} refused: this session's programs hold its cache (e.g. an ExecuTorch "
+                                 "program's buffers), so it cannot carry over; start a new session on the new "
+                                 "programs instead")
             if programs.spec != self.spec:
                 raise UsageError(
                     f"{what} refused: they declare the cache {programs.spec.describe()}, this session holds "
@@ -229,6 +236,12 @@ class Session:
             if mine != theirs:
                 raise UsageError(f"{what} refused: extra programs {sorted(theirs)}, this session runs "
                                  f"{sorted(mine)} (or they declare other inputs); they belong to another model")
+            if programs.state is not None:  # their buffers become the cache: this session's copied in, once
+                theirs = list(programs.state)
+                _check_state(self.spec, theirs)
+                for dst, src in zip(theirs, self._state, strict=True):
+                    dst.copy_(src)
+                self._state, self._held = theirs, True
             self._prefill, self._decode = programs.prefill, programs.decode
             self._extra = dict(programs.extra)
             self._key_pos = programs.key_pos
