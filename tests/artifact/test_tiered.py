@@ -217,17 +217,22 @@ def test_eager_artifact_runs_what_the_export_would(hf_dir, compiled):
 
 
 @pytest.mark.compile
-def test_tiered_start_swaps_into_an_executorch_program_and_caches_it(hf_dir):
-    """An ExecuTorch program holds its cache: the swap copies the eager session's cache into its buffers."""
-    tier = tiered.start(str(hf_dir), backend="executorch", max_seq_len=32)
+@pytest.mark.parametrize("quant", [None, "8da4w"])
+def test_tiered_start_swaps_into_an_executorch_program_and_caches_it(hf_dir, quant):
+    """An ExecuTorch program holds its cache: the swap copies the eager session's cache into its buffers. With
+    8da4w the eager programs compute the weights as the .pte's XNNPACK kernels do (int8-asym activations)."""
+    opts = dict(backend="executorch", max_seq_len=32, quant=quant)
+    tier = tiered.start(str(hf_dir), **opts)
     with tier:
         assert tier.build is not None and tier.artifact.manifest.backend == "eager"
+        if quant:
+            assert tier.artifact.manifest.quant.key == "8da4w-g32-int8-asym"
         s = tier.artifact.session()
         swapped = []
         got = _greedy(s, 12, 5, lambda: swapped.append(tier.poll(s, wait=True)))
         assert swapped == [True] and tier.error is None and s.label == "executorch"
         assert tier.build.path.is_file()
-    again = tiered.start(str(hf_dir), backend="executorch", max_seq_len=32)  # a cache hit: the .pte's own session
+    again = tiered.start(str(hf_dir), **opts)  # a cache hit: the .pte's own session
     assert again.build is None and again.compiled
     assert got == _greedy(again.artifact.session(), 12)
 
