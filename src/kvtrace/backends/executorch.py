@@ -41,6 +41,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -271,12 +272,23 @@ class ExecuTorchBackend(Backend):
             if marked != fqns:
                 raise CaptureError(f"ExecuTorch program {name} lacks cache buffers {sorted(fqns - marked)} of the "
                                    "CacheSpec; every program must take the whole cache")
+            stray = set(ep.graph_signature.buffers_to_mutate.values()) - fqns
+            if stray:  # ExecuTorch would serialize no initial value for it: the seed bug, for a buffer not declared
+                raise CaptureError(f"ExecuTorch program {name} writes buffers {sorted(stray)} that the CacheSpec does "
+                                   "not declare, so their initial values would be lost; a decoder's mutable state "
+                                   "must be its cache")
         config = ExecutorchBackendConfig(
             emit_mutable_buffer_names=True,  # Method.get_attribute(name): the Session's views of its cache
             run_reinplace_pass=True,  # a functional index_put on a buffer written in place, not copied
             memory_planning_pass=MemoryPlanningPass(share_mutable_buffers=len(eps) > 1),
         )
-        pieces = _share_duplicate_segments(_with_shared_initial_values(edge.to_executorch(config), config))
+        with warnings.catch_warnings():
+            # ExecuTorch warns, for any mutated buffer, that it assumes "a meaningless initial state ... unless a pass
+            # which sets meta["et_init_buffer"]" ran: here every one is a CacheSpec buffer marked above (checked)
+            warnings.filterwarnings("ignore", message="Mutation on a buffer in the model is detected",
+                                    category=UserWarning)
+            program = edge.to_executorch(config)
+        pieces = _share_duplicate_segments(_with_shared_initial_values(program, config))
         path.parent.mkdir(parents=True, exist_ok=True)
         _write_atomic(path, *pieces)
         if tokenizer_json is not None and path.suffix == ".pte":  # for ExecuTorch's runners; any other name
