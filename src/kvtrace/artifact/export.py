@@ -217,6 +217,7 @@ def export(
     tdtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
     if tdtype not in DTYPES.values():
         raise UsageError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    chosen.check_dtype(tdtype)
     kv_dtype = _kv_dtype(kv_dtype)
     dev = resolve_device(device, what="export device")
     if dev.type == "meta":

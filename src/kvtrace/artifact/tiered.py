@@ -265,14 +265,17 @@ def start(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "f
     """The cached artifact (a hit: ``Tiered.build`` None), else the eager programs of the model with the
     artifact's build started in the background (CPU). ``progress``/``notice`` as ``cached_artifact`` takes them;
     ``quant``: quantized weights, the eager programs computing with the same quantized modules."""
-    from kvtrace.artifact.export import backend_quant
+    from kvtrace.artifact.export import DTYPES, backend_quant
     from kvtrace.artifact.store import cached_artifact
+    from kvtrace.backends import registry
     from kvtrace.sources.resolve import resolve_source
     from kvtrace.spec.quant import parse_quant
 
-    # the eager programs compute the quantized weights as the backend's kernels will (its activations), and a
-    # scheme the backend does not offer is refused now, not by the build minutes later
+    # the eager programs compute the quantized weights as the backend's kernels will (its activations); a scheme
+    # or dtype the backend does not offer is refused now, not by the build minutes into the answer
     qspec = backend_quant(backend, parse_quant(quant, quant_group_size, quant_head))
+    if dtype in DTYPES:
+        registry.get(backend).check_dtype(DTYPES[dtype])
     progress = progress or (lambda what: contextlib.nullcontext())
     src = resolve_source(source)
     found = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,

@@ -85,6 +85,10 @@ class Backend:
     def check_programs(self, names: Sequence[str], model: str) -> None:
         """Raise UsageError, before any capture, if this backend cannot serve a decoder declaring ``names``."""
 
+    def check_dtype(self, dtype: torch.dtype) -> None:
+        """Raise UnsupportedError, before the model is loaded, where this backend's programs in ``dtype`` would be
+        wrong or far slower than the user would expect (a kernel library without that dtype). Default: any."""
+
     def program_specs(self, programs: tuple[ProgramSpec, ...], decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
         """The ProgramSpecs this backend captures (and the manifest lists) for a decoder declaring ``programs``.
         Default: as declared."""
