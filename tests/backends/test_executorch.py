@@ -180,6 +180,16 @@ def test_a_session_on_eager_programs_swaps_into_the_programs_buffers_mid_answer(
     with pytest.raises(UsageError, match="this session's programs hold its cache"):
         s.swap(eager_programs(dec, prefill_logits="last"))  # out of a program's buffers: refused
     assert s.label == "executorch"
+    # one program instance, one session: a second on the same buffers would write the first one's cache
+    other = Session.of(eager_programs(dec, prefill_logits="last"))
+    with pytest.raises(UsageError, match="another session already runs on them; take a new program set"):
+        other.swap(theirs)
+    with pytest.raises(UsageError, match="another session already runs on them"):
+        Session.of(theirs)
+    on_meta = Session.of(eager_programs(dec, prefill_logits="last"), device="meta")
+    with pytest.raises(UsageError, match=r"refused: their cache is on \['cpu'\], this session's on meta"):
+        on_meta.swap(art.program_set())
+    assert other.label == on_meta.label == "eager" and other.position == 0
 
 
 @pytest.mark.compile

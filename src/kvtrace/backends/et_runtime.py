@@ -7,7 +7,9 @@ runtime extension (``executorch.extension.pybindings._C``) and the shared librar
 ``llama::`` kernels (``custom_sdpa``, ``update_cache``) with it. ``load_program`` imports those two (~0.02 s
 after torch) and hands back the runtime's own program object: ``num_methods``/``get_method_name``,
 ``method_meta(name)``, ``load_method(name)`` -> a method called with a list of inputs (outputs cloned),
-``get_attribute(fqn)`` for a mutable buffer. ``load_method`` loads one with ExecuTorch's CPU-probe log lines
+``get_attribute(fqn)`` for a mutable buffer (a view that owns nothing: keep the method alive while it is used).
+Load each method of a program once: a method loaded again on the same program instance sets the mutable
+buffers it shares with the first back to their initial values (a Session's cache wiped). ``load_method`` loads one with ExecuTorch's CPU-probe log lines
 dropped where kvtrace runs quiet (the CLI without ``--debug``).
 
 The extension module's name is private to ExecuTorch (``portable_lib`` re-exports it); the extra pins

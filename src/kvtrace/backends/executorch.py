@@ -89,10 +89,12 @@ def require(compiler: bool = True) -> None:
     from kvtrace.backends import et_runtime  # torch: imported when a backend is used, not with kvtrace
 
     try:
+        import executorch  # noqa: F401  (first: a submodule imported before would be found without its package)
+
         if compiler:
             from executorch.extension.llm.custom_ops import custom_ops  # noqa: F401
         et_runtime.runtime()
-    except ImportError as e:
+    except (ImportError, OSError) as e:  # OSError: the kernels' shared library does not load (ABI, dependency)
         raise UsageError(f"the executorch backend needs ExecuTorch ({e}); install it with "
                          f"pip install 'kvtrace[{EXTRA}]' (executorch 1.5.x, with torch 2.13)") from e
 
@@ -318,6 +320,7 @@ class ExecuTorchBackend(Backend):
             raise ArtifactError(f"{path}: written by kvtrace's {manifest.backend!r} backend, which is not registered "
                                 "here; re-export it with --backend executorch")
         pte.check(manifest)
+        pte.done_checking()
         return manifest, {p: pte for p in manifest.programs}, tokenizer_json
 
     def bind(self, programs: dict[str, Program],
@@ -673,6 +676,10 @@ class _Pte:
                 raise ArtifactError(f"{self.path}: method {name} returns {list(out)} logits, the manifest declares "
                                     f"vocab_size {manifest.vocab_size}; the file is inconsistent, re-export it")
 
+    def done_checking(self) -> None:
+        """The first instance read the records and answered the checks; sessions load their own (``instance``)."""
+        self.program = None
+
     def instance(self, manifest: Manifest) -> tuple[dict[str, Program], list[torch.Tensor]]:
         """A fresh program (its own buffers, holding their initial values) -> callables and state views."""
         from kvtrace.backends import et_runtime
@@ -717,7 +724,8 @@ def _runner(method: Any, keepalive: Any) -> Callable[..., torch.Tensor]:
         (logits,) = method(list(flat))
         return logits
 
-    run.program = keepalive  # the buffers live as long as the program object, the file it maps as long as _Pte
+    run.program = keepalive  # the method owns its buffers (the state views own nothing: they live as long as it);
+    # the program object and the _Pte, whose copy of the file is mapped, go with the last runner
     return run
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -146,6 +147,7 @@ class Session:
         self._state = list(state) if state is not None else spec.allocate(self._device)
         if self._held:
             _check_state(spec, self._state)
+            _claim(self._state, "a new Session")
         self._pos = 0
         self._filled: set[str] = set()  # `once` programs run since reset()
         self._graphs = self._graph_decode(cuda_graphs, capturer, graph_buckets)
@@ -238,7 +240,15 @@ class Session:
                                  f"{sorted(mine)} (or they declare other inputs); they belong to another model")
             if programs.state is not None:  # their buffers become the cache: this session's copied in, once
                 theirs = list(programs.state)
-                _check_state(self.spec, theirs)
+                try:
+                    _check_state(self.spec, theirs)
+                except UsageError as e:
+                    raise UsageError(f"{what} refused: {e}") from None
+                where = {t.device for t in theirs}
+                if where != {self._device}:
+                    raise UsageError(f"{what} refused: their cache is on {sorted(map(str, where))}, this session's on "
+                                     f"{self._device}; start a new session on them instead")
+                _claim(theirs, what)
                 for dst, src in zip(theirs, self._state, strict=True):
                     dst.copy_(src)
                 self._state, self._held = theirs, True
@@ -466,6 +476,24 @@ class Session:
             dst.copy_(src)
         self._pos = snap.position
         self._filled = set(snap.filled)
+
+
+# id() of the first state tensor of every program instance a session runs on (programs holding their cache); an
+# entry goes when that tensor does
+_CLAIMED: set[int] = set()
+
+
+def _claim(state: list[torch.Tensor], what: str) -> None:
+    """Programs holding their cache serve one session: a second one on the same instance (the same ProgramSet,
+    e.g. made once and given to two sessions) would write the first one's cache. ``Artifact.program_set()``
+    makes a new instance each call."""
+    key = id(state[0])
+    if key in _CLAIMED:
+        raise UsageError(f"{what} refused: these programs hold their cache and another session already runs on "
+                         "them; take a new program set for each session (artifact.program_set() or "
+                         "artifact.session())")
+    _CLAIMED.add(key)
+    weakref.finalize(state[0], _CLAIMED.discard, key)
 
 
 def _check_state(spec: CacheSpec, state: list[torch.Tensor]) -> None:

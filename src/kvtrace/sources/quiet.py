@@ -8,10 +8,10 @@ import logging
 import os
 import re
 import sys
-import tempfile
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any, TextIO
 
 __all__ = ["NATIVE_QUIET_ENV", "QUIET_LOGGERS", "native_lines_dropped", "quiet_libraries"]
 
@@ -20,8 +20,8 @@ __all__ = ["NATIVE_QUIET_ENV", "QUIET_LOGGERS", "native_lines_dropped", "quiet_l
 # its enums: four lines on every command that loads a model.
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
 
-# Set by ``quiet_libraries``: native libraries' own log lines (written to fd 2 by C++, past Python's logging)
-# are dropped where a caller names them (``native_lines_dropped``). In the environment, so that the processes
+# Set by ``quiet_libraries``: native libraries' own log lines (C++ streams a binding sends to Python's stderr, past
+# Python's logging) are dropped where a caller names them (``native_lines_dropped``). In the environment, so that the processes
 # kvtrace starts (the tiered start's build, bench's rows) are as quiet as the command that started them.
 NATIVE_QUIET_ENV = "KVTRACE_QUIET_NATIVE_LOGS"
 
@@ -39,28 +39,51 @@ def quiet_libraries() -> None:
     os.environ.setdefault(NATIVE_QUIET_ENV, "1")
 
 
+# what a terminal library (rich) may put before a line it writes: a carriage return, erase-line and colour codes
+_CONTROL = re.compile(r"\r|\x1b\[[0-9;?]*[A-Za-z]")
+
+
+class _LineFilter:
+    """``sys.stderr`` inside ``native_lines_dropped``: each complete line written is passed on to ``target`` at once
+    unless it matches ``pattern`` (after terminal control codes are removed); everything else (``flush``,
+    ``fileno``, ``isatty``, ``encoding``) is the target's."""
+
+    def __init__(self, target: TextIO, pattern: re.Pattern[str]):
+        self._target, self._pattern, self._partial = target, pattern, ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            if not self._pattern.match(_CONTROL.sub("", line)):
+                self._target.write(line + "\n")
+        return len(text)
+
+    def end(self) -> None:
+        """The last line, if it never got its newline."""
+        if self._partial and not self._pattern.match(_CONTROL.sub("", self._partial)):
+            self._target.write(self._partial)
+        self._partial = ""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._target, name)
+
+
 @contextmanager
 def native_lines_dropped(pattern: re.Pattern[str]) -> Iterator[None]:
-    """While inside, what is written to file descriptor 2 (by native code or Python) is held in a temp file;
-    on leaving, its lines that do not match ``pattern`` are written to stderr, in order. Does nothing unless
-    ``quiet_libraries`` ran (``NATIVE_QUIET_ENV`` is "1"). Meant for short calls into a native library that
-    logs at an informational level it cannot be told to drop (ExecuTorch's CPU probe, five lines a process)."""
-    if os.environ.get(NATIVE_QUIET_ENV) != "1":
+    """While inside, lines written to ``sys.stderr`` that match ``pattern`` are dropped; every other line goes on
+    at once, in order. For short calls into a native library that logs at an informational level it cannot be
+    told to drop, through Python's stderr: ExecuTorch's pybindings send C++'s ``std::cerr`` there while a method
+    loads (its CPU probe: five lines a process). Does nothing unless ``quiet_libraries`` ran (``NATIVE_QUIET_ENV``
+    is "1") or where there is no stderr. Whatever stderr is inside is restored on leaving, exception or not."""
+    target = sys.stderr
+    if os.environ.get(NATIVE_QUIET_ENV) != "1" or target is None:
         yield
         return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            held.seek(0)
-            text = held.read().decode(errors="replace")
-            kept = "".join(line for line in text.splitlines(keepends=True) if not pattern.match(line))
-            if kept:
-                sys.stderr.write(kept)
-                sys.stderr.flush()
+    line_filter = _LineFilter(target, pattern)
+    sys.stderr = line_filter  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if sys.stderr is line_filter:
+            sys.stderr = target
+        line_filter.end()
