@@ -190,6 +190,10 @@ def test_a_session_on_eager_programs_swaps_into_the_programs_buffers_mid_answer(
     with pytest.raises(UsageError, match=r"refused: their cache is on \['cpu'\], this session's on meta"):
         on_meta.swap(art.program_set())
     assert other.label == on_meta.label == "eager" and other.position == 0
+    fresh = art.program_set()  # a construction refused leaves its programs free for the next session
+    with pytest.raises(UsageError, match="hold their cache themselves"):
+        Session.of(fresh, cuda_graphs=True)
+    assert Session.of(fresh).label == "executorch"
 
 
 @pytest.mark.compile

@@ -147,10 +147,11 @@ class Session:
         self._state = list(state) if state is not None else spec.allocate(self._device)
         if self._held:
             _check_state(spec, self._state)
-            _claim(self._state, "a new Session")
         self._pos = 0
         self._filled: set[str] = set()  # `once` programs run since reset()
         self._graphs = self._graph_decode(cuda_graphs, capturer, graph_buckets)
+        if self._held:  # last: a construction refused above leaves the programs free for another session
+            _claim(self._state, "a new Session")
         self.label = ""  # what runs now (ProgramSet.label), for messages
 
     def _graph_decode(self, cuda_graphs: bool, capturer: Capturer | None,
