@@ -62,13 +62,14 @@ def test_bench_table_is_full_width_when_piped():
 
     row = dict(backend="aoti-packed", dtype="bfloat16", prompt_len=37, error="", compile_s=1.0, prefill_ms=2.0,
                decode_tok_s=3.0, decode_tok_s_range=(2.5, 3.5), vs_hf_eager=1.5, bound_fraction=0.9,
-               peak_rss_mib=100.0, recompiles=0, tokens_match_eager=False, first_mismatch=13,
+               bandwidth_gb_s=19.31, peak_rss_mib=100.0, recompiles=0, tokens_match_eager=False, first_mismatch=13,
                measured_in="fresh process")
     broken = {**row, "backend": "aoti", "error": "CaptureError: boom | bang"}
     text = render_markdown({"bandwidth_gb_s": 20.0, "threads": 2, "results": [row, broken]})
     lines = text.splitlines()
     assert lines[2] == "| " + " | ".join(COLUMNS) + " |"  # every header whole
-    assert "| aoti-packed | bfloat16 | none | auto | 37 |" in lines[4] and "no (at 13)" in lines[4] and "fresh process" in lines[4]
+    assert "| aoti-packed | bfloat16 | none | auto | 37 |" in lines[4] and "| 0.90 | 19.3 |" in lines[4]
+    assert "no (at 13)" in lines[4] and "fresh process" in lines[4]
     assert "error: CaptureError: boom / bang" in lines[5] and lines[5].count("|") == len(COLUMNS) + 1
 
 
@@ -92,6 +93,13 @@ def test_bench_puts_kv_cache_storages_side_by_side():
     assert _kv_bytes(model, ctx, "int8") == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * ctx * (head_dim + 2)
     assert by["auto"]["tokens_match_eager"]  # the int8 row may leave eager's tokens: reported, not asserted
     assert "| exported | float32 | none | int8 | 20 |" in render_markdown(data)
+    # each row's bound uses the bandwidth measured around that row, not the run's first measurement
+    for r in data["results"]:
+        lo, hi = r["bandwidth_gb_s_range"]
+        assert 0 < lo <= r["bandwidth_gb_s"] <= hi
+        want = r["decode_tok_s"] * r["bytes_per_token"] / (r["bandwidth_gb_s"] * 1e9)
+        assert r["bound_fraction"] == pytest.approx(want, rel=2e-3, abs=1e-3)
+        assert f"| {r['bandwidth_gb_s']:.1f} |" in render_markdown(data)
 
 
 def test_bench_kv_dtype_list_is_checked(capsys):

@@ -85,7 +85,11 @@ class BenchResult:
     artifact_mib: float | None = None
     tokens_match_eager: bool | None = None
     first_mismatch: int | None = None
-    bound_fraction: float | None = None  # decode tok/s x bytes/token / bandwidth
+    bound_fraction: float | None = None  # decode tok/s x bytes/token / the row's own bandwidth
+    # read bandwidth measured right before and right after this row's runs (GB/s): the row's bound uses their mean,
+    # since a shared machine's bandwidth moves within one bench run (up to ~1.7x within an hour on these machines)
+    bandwidth_gb_s: float | None = None
+    bandwidth_gb_s_range: tuple[float, float] | None = None
     bytes_per_token: int | None = None  # what one decode step reads: every weight once (as stored) + live K/V
     vs_hf_eager: float | None = None
     position_sweep: list[tuple[int, float]] = field(default_factory=list)  # (context position, decode tok/s)
@@ -568,6 +572,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                         try:
                             with progress(f"{label}{' +graphs' if graphs else ''}: {runs} runs x {new_tokens} "
                                           f"tokens in {where}"):
+                                bw_row = [measure_bandwidth(device=dev)]
                                 if fresh:
                                     got = _measure_fresh(s.artifact, ids, new_tokens, runs, m.config.vocab_size,
                                                          positions, torch.get_num_threads(), dev, graphs)
@@ -577,6 +582,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                                                                       cuda_graphs=True, artifact=s.artifact,
                                                                       kv_dtype=kv)
                                     got = _measure(step, ids, new_tokens, runs, m.config.vocab_size, positions)
+                                bw_row.append(measure_bandwidth(device=dev))
                             r.compile_s = round(build_s + got["warm_s"], 2)
                         except Exception as e:
                             r.error = f"{type(e).__name__}: {e}"[:300]
@@ -591,7 +597,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                                 per_quant[qn, kv, act] = _quant_bytes_per_token(m, model_source, qn, max_seq_len, ctx,
                                                                                 quant_group_size, quant_head, kv, act)
                             per_tok = per_quant[qn, kv, act]
-                        _fill(r, got, fresh, s, bw, per_tok)
+                        _fill(r, got, fresh, s, bw_row, per_tok)
                         if b == BASELINE:
                             ref_tokens = r.tokens
                         if ref_tokens is not None:
@@ -614,9 +620,9 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     }
 
 
-def _fill(r: BenchResult, got: dict[str, Any], fresh: bool, s: _Stepper, bw: float, per_tok: int) -> None:
+def _fill(r: BenchResult, got: dict[str, Any], fresh: bool, s: _Stepper, bw: list[float], per_tok: int) -> None:
     """A measured row's numbers (``got`` from ``_measure``) and its fraction of the bandwidth bound, reading
-    ``per_tok`` bytes per decoded token."""
+    ``per_tok`` bytes per decoded token at the mean of ``bw`` (GB/s, measured before and after the row)."""
     pre = [x * 1e3 for x in got["prefill_s"]]
     dec = got["decode_tok_s"]
     r.prefill_ms, r.prefill_ms_range = statistics.median(pre), (min(pre), max(pre))
@@ -628,7 +634,8 @@ def _fill(r: BenchResult, got: dict[str, Any], fresh: bool, s: _Stepper, bw: flo
     if s.artifact is not None:
         r.artifact_mib = round(s.artifact.stat().st_size / 2**20, 1)
     r.bytes_per_token = per_tok
-    r.bound_fraction = round(r.decode_tok_s * per_tok / (bw * 1e9), 3)
+    r.bandwidth_gb_s, r.bandwidth_gb_s_range = round(statistics.fmean(bw), 2), (round(min(bw), 2), round(max(bw), 2))
+    r.bound_fraction = round(r.decode_tok_s * per_tok / (r.bandwidth_gb_s * 1e9), 3)
 
 
 def _on(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:

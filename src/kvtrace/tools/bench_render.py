@@ -11,7 +11,7 @@ __all__ = ["COLUMNS", "plot", "render", "render_markdown"]
 
 
 COLUMNS = ("backend", "dtype", "quant", "kv", "prompt", "compile s", "prefill ms", "decode tok/s", "x hf-eager", "of bound",
-           "MB/token", "artifact MiB", "peak RSS MiB", "recompiles", "tokens = eager", "measured in")
+           "GB/s", "MB/token", "artifact MiB", "peak RSS MiB", "recompiles", "tokens = eager", "measured in")
 _HEAD = 5  # backend, dtype, quant, kv, prompt: shown for an error row too
 
 
@@ -28,6 +28,7 @@ def _rows(data: dict[str, Any]) -> list[tuple[list[str], str]]:
             *head, f"{r['compile_s']:.1f}", f"{r['prefill_ms']:.1f}", f"{r['decode_tok_s']:.1f} ({lo:.1f}-{hi:.1f})",
             f"{r['vs_hf_eager']:.2f}" if r["vs_hf_eager"] else "",
             f"{r['bound_fraction']:.2f}" if r["bound_fraction"] is not None else "",
+            f"{r['bandwidth_gb_s']:.1f}" if r.get("bandwidth_gb_s") else "",
             f"{r['bytes_per_token'] / 1e6:.0f}" if r.get("bytes_per_token") else "",
             f"{r['artifact_mib']:.0f}" if r.get("artifact_mib") is not None else "–", f"{r['peak_rss_mib']:.0f}",
             str(r["recompiles"]), "yes" if r["tokens_match_eager"] else f"no (at {r['first_mismatch']})",
@@ -39,8 +40,10 @@ def _rows(data: dict[str, Any]) -> list[tuple[list[str], str]]:
 def _title(data: dict[str, Any]) -> str:
     device = data.get("device", "cpu")
     if device.startswith("cuda"):
-        return f"kvtrace bench on {device} (device-copy bandwidth {data['bandwidth_gb_s']} GB/s, read + written)"
-    return f"kvtrace bench (read bandwidth {data['bandwidth_gb_s']} GB/s, {data['threads']} threads)"
+        return (f"kvtrace bench on {device} (device-copy bandwidth {data['bandwidth_gb_s']} GB/s at the start, read + "
+                "written; each row's bound uses the bandwidth measured around it)")
+    return (f"kvtrace bench (read bandwidth {data['bandwidth_gb_s']} GB/s at the start, {data['threads']} threads; each "
+            "row's bound uses the bandwidth measured around it)")
 
 
 def render(data: dict[str, Any]) -> Any:
