@@ -330,10 +330,15 @@ class GGUFLinear(nn.Module):
         if self.fmt == "q8_0":
             dot = (blocks[None, :, :, None] * self.q.float()).sum(2)  # [T, G, lane]: x . q per block
         else:
-            pairs = row.view(1, -1, 16, 2, 1)  # [1, G, 16, (even, odd), 1]
+            # byte b = lo + 16 hi holds inputs 2j (lo) and 2j+1 (hi): x_even lo + x_odd hi
+            # = (x_odd / 16) b + (x_even - x_odd / 16) lo, so each byte costs two conversions and two multiply-adds
+            # (no per-weight subtraction); the two coefficients per byte are computed once per token, into a
+            # buffer of their own (3072x576 Q4_1: 80 vs 90 us, alternated, stop 44)
+            pairs = row.view(-1, 16, 2)  # [G, 16, (even, odd)]
+            odd16 = pairs[..., 1] * 0.0625  # exact: a power of two
+            coef = _materialized(torch.stack([odd16, pairs[..., 0] - odd16], -1))[None, :, :, :, None]
             lo = (self.q & 15).float()  # [T, G, 16, lane]
-            hi16 = self.q.float() - lo  # 16 * the high nibbles
-            dot = (pairs[:, :, :, 0] * lo + (pairs[:, :, :, 1] * 0.0625) * hi16).sum(2)  # [T, G, lane]
+            dot = (coef[:, :, :, 0] * self.q.float() + coef[:, :, :, 1] * lo).sum(2)  # [T, G, lane]
             if self.fmt == "q4_0":
                 dot = dot - 8 * blocks.sum(-1)[None, :, None]
         y = dot * self.d.float()
