@@ -1,6 +1,7 @@
 import os
 import re
 import sys
+import warnings
 
 from kvtrace.sources.quiet import NATIVE_QUIET_ENV, native_lines_dropped, quiet_libraries
 
@@ -58,3 +59,16 @@ def test_quiet_libraries_turns_it_on_unless_the_user_set_it(monkeypatch):
     monkeypatch.setenv(NATIVE_QUIET_ENV, "0")
     quiet_libraries()
     assert os.environ[NATIVE_QUIET_ENV] == "0"
+
+
+def test_quiet_libraries_drops_torchs_typed_storage_deprecation_and_nothing_else_of_its_kind(monkeypatch):
+    for name in (NATIVE_QUIET_ENV, "HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY"):
+        monkeypatch.delenv(name, raising=False)
+    with warnings.catch_warnings(record=True) as seen:  # the filters quiet_libraries adds go with the block
+        warnings.simplefilter("always")
+        quiet_libraries()
+        # as Inductor's GEMM template selection raises it during an aoti-packed build
+        warnings.warn("TypedStorage is deprecated. It will be removed in the future and UntypedStorage will be "
+                      "the only storage class.", UserWarning, stacklevel=1)
+        warnings.warn("a UserWarning a user should read", UserWarning, stacklevel=1)
+    assert [str(w.message) for w in seen] == ["a UserWarning a user should read"]

@@ -28,12 +28,15 @@ NATIVE_QUIET_ENV = "KVTRACE_QUIET_NATIVE_LOGS"
 
 def quiet_libraries() -> None:
     """transformers' and huggingface_hub's progress bars off (kvtrace shows its own progress), deprecation
-    warnings ignored, ``QUIET_LOGGERS`` below ERROR, ``native_lines_dropped`` on. An environment variable
+    warnings ignored (torch's TypedStorage one too, a UserWarning), ``QUIET_LOGGERS`` below ERROR, ``native_lines_dropped`` on. An environment variable
     the user set wins."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for category in (FutureWarning, DeprecationWarning):
         warnings.filterwarnings("ignore", category=category)
+    # torch's own deprecation, raised inside Inductor's GEMM template selection (an aoti-packed build) as a
+    # UserWarning: nothing a kvtrace user wrote or can change
+    warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.ERROR)
     os.environ.setdefault(NATIVE_QUIET_ENV, "1")
