@@ -305,17 +305,21 @@ class GGUFLinear(nn.Module):
         """W.T float32 [K, N'] (N' = N padded to whole tiles), dequantized as gguf does it (d * q exact: a 4-bit or
         8-bit q times a float16 d fits float32's mantissa; then + m, rounded once). Built in this orientation
         because the tiles are read 32 outputs at a time: [N, K] would transpose each tile (~4x slower, measured)."""
-        q = self.q.permute(1, 2, 0, 3)  # [G, 16 or 32, T, lane]
-        d = self.d.permute(1, 0, 2).float()[:, None]  # [G, 1, T, lane]
         if self.fmt == "q8_0":
-            return (q.float() * d).reshape(self.in_features, -1)
+            q8 = self.q.permute(1, 2, 0, 3)  # [G, 32, T, lane]
+            return (q8.float() * self.d.permute(1, 0, 2).float()[:, None]).reshape(self.in_features, -1)
+        q = self.q.permute(1, 2, 0, 3)[:, :, None]  # [G, 16, 1, T, lane]
+        d = self.d.permute(1, 0, 2).float()[:, None, None]  # [G, 1, 1, T, lane]
         lo = (q & 15).float()  # input features 2j of each block
-        hi16 = q.float() - lo  # 16 * the high nibbles (2j + 1), without a uint8 shift (slow in Inductor)
+        hi = (q.float() - lo) * 0.0625  # the high nibbles (2j + 1), without a uint8 shift (slow in Inductor); exact
         if self.fmt == "q4_0":
-            lo, hi16 = lo - 8, hi16 - 128
-        w = torch.stack([lo * d, hi16 * (d * 0.0625)], dim=2)  # [G, 16, 2, T, lane]
+            lo, hi = lo - 8, hi - 8
+        # one pointwise pass writing [G, 16, (even, odd), T, lane]: a torch.stack of the two halves was three
+        # passes in Inductor (each half to a buffer, then the interleave; 3072x576: 0.86 vs 0.41 ms)
+        odd = torch.arange(2, device=q.device).view(1, 1, 2, 1, 1) == 1
+        w = torch.where(odd, hi, lo) * d  # exact: a 4-bit value times a float16 d fits float32's mantissa
         if self.m is not None:
-            w = w + self.m.permute(1, 0, 2).float()[:, None, None]
+            w = w + self.m.permute(1, 0, 2).float()[:, None, None]  # rounded once, as gguf's d * q + m
         return w.reshape(self.in_features, -1)
 
     def dequantized(self) -> torch.Tensor:
