@@ -129,3 +129,18 @@ def test_the_bound_of_xnnpacks_8da4w_counts_what_xnnpack_reads():
     head = v * d + v * 4  # untied: int8 + float32 scale per row
     assert got == linear // 2 + linear // 32 * 2 + embed + head + norms
     assert got < _quant_bytes_per_token(model, None, "8da4w", 32, 10) - _kv_bytes(model, 10, "auto")  # int4pack
+
+
+def test_a_row_whose_bandwidth_probe_does_not_fit_uses_the_runs_first_measurement(monkeypatch):
+    """On a GPU the probe copies 4 GiB beside the models a run holds; out of memory, the row keeps the run's value."""
+    import torch
+
+    from kvtrace.tools import bench
+
+    def out_of_memory(**_kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB")
+
+    monkeypatch.setattr(bench, "measure_bandwidth", out_of_memory)
+    assert bench._row_bandwidth(torch.device("cpu"), 12.5) == 12.5
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda **_kw: 30.0)
+    assert bench._row_bandwidth(torch.device("cpu"), 12.5) == 30.0

@@ -28,8 +28,8 @@ NATIVE_QUIET_ENV = "KVTRACE_QUIET_NATIVE_LOGS"
 
 def quiet_libraries() -> None:
     """transformers' and huggingface_hub's progress bars off (kvtrace shows its own progress), deprecation
-    warnings ignored (torch's TypedStorage one too, a UserWarning), ``QUIET_LOGGERS`` below ERROR, ``native_lines_dropped`` on. An environment variable
-    the user set wins."""
+    warnings ignored (torch's TypedStorage one too, a UserWarning), ``QUIET_LOGGERS`` below ERROR,
+    ``native_lines_dropped`` on. An environment variable the user set wins."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     for category in (FutureWarning, DeprecationWarning):

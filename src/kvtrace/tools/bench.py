@@ -120,6 +120,15 @@ def measure_bandwidth(mib: int = 512, reps: int = 5, device: torch.device | str 
     return x.numel() * 4 / best / 1e9
 
 
+def _row_bandwidth(device: torch.device, fallback: float) -> float:
+    """The bandwidth measured next to one row; the run's first measurement (``fallback``) where the probe's
+    buffers no longer fit beside the models a run holds (a GPU's 8 GiB copy with a large model loaded)."""
+    try:
+        return measure_bandwidth(device=device)
+    except torch.OutOfMemoryError:
+        return fallback
+
+
 def _device_copy_bandwidth(device: torch.device | str, mib: int, reps: int) -> float:
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -572,7 +581,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                         try:
                             with progress(f"{label}{' +graphs' if graphs else ''}: {runs} runs x {new_tokens} "
                                           f"tokens in {where}"):
-                                bw_row = [measure_bandwidth(device=dev)]
+                                bw_row = [_row_bandwidth(dev, bw)]
                                 if fresh:
                                     got = _measure_fresh(s.artifact, ids, new_tokens, runs, m.config.vocab_size,
                                                          positions, torch.get_num_threads(), dev, graphs)
@@ -582,7 +591,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                                                                       cuda_graphs=True, artifact=s.artifact,
                                                                       kv_dtype=kv)
                                     got = _measure(step, ids, new_tokens, runs, m.config.vocab_size, positions)
-                                bw_row.append(measure_bandwidth(device=dev))
+                                bw_row.append(_row_bandwidth(dev, bw))
                             r.compile_s = round(build_s + got["warm_s"], 2)
                         except Exception as e:
                             r.error = f"{type(e).__name__}: {e}"[:300]
