@@ -16,6 +16,7 @@ import torch
 
 import kvtrace
 from conftest import make_tiny_hf_dir, terminal_signals
+from helpers import write_gguf
 from kvtrace._errors import UsageError
 from kvtrace.artifact import tiered
 from kvtrace.artifact.store import cached_artifact, clear_artifacts, entry_path
@@ -234,6 +235,25 @@ def test_tiered_start_swaps_into_an_executorch_program_and_caches_it(hf_dir, qua
         assert tier.build.path.is_file()
     again = tiered.start(str(hf_dir), **opts)  # a cache hit: the .pte's own session
     assert again.build is None and again.compiled
+    assert got == _greedy(again.artifact.session(), 12)
+
+
+def test_tiered_start_on_gguf_blocks_answers_on_the_plain_decoder_then_switches_to_the_blocks(tmp_path):
+    """GGUF blocks compute with the dequantized weights the plain decoder holds: the eager answer runs on it
+    (GGUFLinear run eagerly took 9 s for SmolLM2's prefill), then swaps into the programs over the blocks, the cache
+    kept, and the greedy tokens are those of the blocks' own programs."""
+    path = write_gguf(tmp_path / "q41.gguf", qtype="Q4_1", embd_qtype="Q8_0")
+    opts = dict(backend="exported", max_seq_len=32, quant="gguf")
+    tier = tiered.start(str(path), **opts)
+    with tier:
+        assert tier.build is not None and tier.artifact.manifest.backend == "eager"
+        assert tier.artifact.manifest.quant is None  # the plain decoder's programs, not GGUFLinear's
+        s = tier.artifact.session()
+        swapped = []
+        got = _greedy(s, 12, 5, lambda: swapped.append(tier.poll(s, wait=True)))
+        assert swapped == [True] and tier.error is None and s.label == "exported"
+    again = tiered.start(str(path), **opts)  # a cache hit: the programs over the blocks
+    assert again.build is None and again.artifact.manifest.quant.scheme == "gguf"
     assert got == _greedy(again.artifact.session(), 12)
 
 
