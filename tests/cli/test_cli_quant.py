@@ -109,3 +109,56 @@ def test_generate_builds_quantized_weights_on_aoti_packed_unless_told_otherwise(
     monkeypatch.setattr("kvtrace.artifact.tiered.start", build)
     assert main(["generate", "hi", *argv]) == 2
     assert seen == [backend] and "stopped before building" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("cmd", "argv", "want"), [
+    ("generate", [], ("aoti", "gguf")),  # the default model: Q4_1 blocks, a Q8_0 embedding
+    ("generate", ["--quant", "none"], ("aoti", "none")),
+    ("generate", ["--backend", "exported"], ("exported", "gguf")),
+    ("generate", ["--backend", "aoti-packed"], ("aoti-packed", "none")),  # it takes no GGUF blocks
+    ("generate", ["--backend", "executorch"], ("executorch", "none")),
+    ("generate", ["--dtype", "bfloat16"], ("aoti", "none")),
+    ("generate", ["--no-tiered"], ("aoti", "gguf")),
+    ("generate", ["--quant", "int8"], ("aoti-packed", "int8")),
+    ("chat", [], ("aoti", "gguf")),
+    ("chat", ["--quant", "none"], ("aoti", "none"))])
+def test_a_gguf_sources_blocks_are_kept_by_default_where_the_run_can_keep_them(cmd, argv, want, monkeypatch, capsys):
+    """--quant auto (generate's and chat's default): the GGUF's own blocks (the same numbers as its float32
+    weights, a fraction of the bytes a token reads) where the backend, dtype and device take them."""
+    seen = []
+
+    def build(source, *, backend, quant=None, **kw):
+        seen.append((backend, quant))
+        raise kvtrace.UsageError("stopped before building")
+
+    monkeypatch.setattr("kvtrace.artifact.store.cached_artifact", build)
+    monkeypatch.setattr("kvtrace.artifact.tiered.start", build)
+    assert main([cmd, *(["hi"] if cmd == "generate" else []), *argv]) == 2
+    assert seen == [want] and "stopped before building" in capsys.readouterr().err
+
+
+def test_quant_auto_keeps_blocks_only_for_a_gguf_stored_mostly_as_kept_blocks(hf_dir, tmp_path):
+    import argparse
+
+    from kvtrace.cli.args import chosen_quant
+    from kvtrace.sources.gguf_blocks import kept_share
+
+    q41 = write_gguf(tmp_path / "q41.gguf", qtype="Q4_1")
+    f16 = write_gguf(tmp_path / "f16.gguf", qtype="F16")
+    mixed = write_gguf(tmp_path / "mixed.gguf", qtype="F16", qtypes={"blk.0.ffn_up.weight": "Q8_0"})
+    assert kept_share(q41) > 0.95 and kept_share(f16) == 0.0 and 0 < kept_share(mixed) < 0.5
+
+    def auto(model):
+        return chosen_quant(argparse.Namespace(model=str(model), quant="auto", backend=None, dtype="float32"))
+
+    assert (auto(q41), auto(f16), auto(mixed), auto(hf_dir)) == ("gguf", "none", "none", "none")
+    qwen = write_gguf(tmp_path / "qwen2.gguf", "qwen2", qtype="Q4_1")  # blocks, but GGUF-native is tested on llama
+    assert kept_share(qwen) > 0.95 and auto(qwen) == "none"
+
+
+def test_kept_type_ids_are_the_gguf_packages():
+    from gguf.constants import GGMLQuantizationType
+
+    from kvtrace.sources.gguf_blocks import _KEPT_TYPE_IDS, KEPT
+
+    assert {GGMLQuantizationType(i).name for i in _KEPT_TYPE_IDS} == set(KEPT) == set(_KEPT_TYPE_IDS.values())

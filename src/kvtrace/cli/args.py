@@ -91,15 +91,23 @@ QUANT_HELP = ("weights: none (default) = the model's dtype; int8 = int8 per outp
               "decoders)")
 
 
-def quant_args(p: argparse.ArgumentParser, many: bool = False) -> None:
-    """``--quant`` (one scheme, or with ``many`` a comma list like bench's --dtype), ``--quant-group-size``,
-    ``--no-quant-head``."""
+QUANT_AUTO_HELP = ("auto (default) = gguf for a Llama GGUF source stored mostly (>= half its matrix weights) as Q4_0 / "
+                   "Q4_1 / Q8_0 blocks, in float32 on the CPU with a backend that takes them (aoti, exported): the "
+                   "same numbers as its float32 weights, a fraction of the bytes a token reads; none otherwise")
+
+
+def quant_args(p: argparse.ArgumentParser, many: bool = False, auto: bool = False) -> None:
+    """``--quant`` (one scheme, or with ``many`` a comma list like bench's --dtype; with ``auto`` the default is
+    "auto", resolved by ``chosen_quant``), ``--quant-group-size``, ``--no-quant-head``."""
     from kvtrace.spec.quant import GROUP_SIZES, SCHEMES
 
     choices = ("none", *SCHEMES)
     if many:
         p.add_argument("--quant", type=choice_list(choices), default="none", metavar="LIST",
                        help=f"comma list of {', '.join(choices)}: one row per choice. " + QUANT_HELP)
+    elif auto:
+        p.add_argument("--quant", choices=("auto", *choices), default="auto",
+                       help=QUANT_AUTO_HELP + ". " + QUANT_HELP.replace("none (default)", "none"))
     else:
         p.add_argument("--quant", choices=choices, default="none", help=QUANT_HELP)
     p.add_argument("--quant-group-size", type=int, choices=GROUP_SIZES, default=None, metavar="G",
@@ -135,6 +143,31 @@ def backend_arg(p: argparse.ArgumentParser) -> None:
                    help=f"default aoti; {QUANT_BACKEND} with --quant {'/'.join(QUANT_BACKEND_FOR)} (frozen programs "
                         "over Inductor's quantized GEMM templates: on SmolLM2 prefill 3-4x and decode 1.2-1.7x aoti's; "
                         "it compiles longer, in the background on a first run)")
+
+
+GGUF_AUTO_SHARE = 0.5  # --quant auto keeps a GGUF's blocks when at least this share of its matrix weights are kept
+GGUF_AUTO_ARCHS = ("llama",)  # where GGUF-native programs are tested end to end (others: --quant gguf, by hand)
+
+
+def chosen_quant(args: argparse.Namespace) -> str:
+    """``--quant`` as given, with "auto" resolved: "gguf" where the source is a Llama GGUF stored mostly as blocks
+    kvtrace keeps and the run can keep them (float32, CPU, a backend that takes GGUF blocks: ``--backend`` aoti or exported,
+    or none given), else "none". GGUF-native programs compute with exactly the GGUF's dequantized values, which
+    is what the float32 path loads too: the choice changes the bytes read per token, not the numbers."""
+    quant = getattr(args, "quant", "auto")
+    if quant != "auto":
+        return str(quant)
+    if (getattr(args, "backend", None) not in (None, "aoti", "exported") or getattr(args, "dtype", "float32") != "float32"
+            or str(getattr(args, "device", "cpu")) != "cpu" or str(args.model).endswith((".kvt", ".pte"))):
+        return "none"
+    from kvtrace.sources.gguf import check_gguf
+    from kvtrace.sources.gguf_blocks import kept_share
+    from kvtrace.sources.resolve import resolve_source
+
+    src = resolve_source(args.model)
+    if src.kind not in ("default", "gguf") or check_gguf(src.path).arch not in GGUF_AUTO_ARCHS:
+        return "none"
+    return "gguf" if kept_share(src.path) >= GGUF_AUTO_SHARE else "none"
 
 
 def chosen_backend(args: argparse.Namespace) -> str:

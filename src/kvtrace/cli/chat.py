@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace._errors import KvtraceError, UsageError
-from kvtrace.cli.args import POSITIVE, SEED, backend_arg, probability, temperature, tiered_arg
+from kvtrace.cli.args import POSITIVE, SEED, backend_arg, probability, quant_args, temperature, tiered_arg
 from kvtrace.cli.ui import UI
 
 HELP = ("/reset  start over    /undo  forget the last turn    /save FILE  /load FILE  the conversation and its "
@@ -183,6 +183,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     backend_arg(p)
     p.add_argument("--max-seq-len", type=POSITIVE, default=2048, help="the whole conversation's tokens (default 2048)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    quant_args(p, auto=True)
     tiered_arg(p)
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=POSITIVE, default=None)

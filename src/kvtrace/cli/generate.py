@@ -15,6 +15,7 @@ from kvtrace.cli.args import (
     POSITIVE,
     backend_arg,
     chosen_backend,
+    chosen_quant,
     cuda_graphs_arg,
     device_arg,
     kv_dtype_arg,
@@ -156,6 +157,7 @@ def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) ->
     from kvtrace.artifact.store import cached_artifact
 
     device = getattr(args, "device", "cpu")
+    args.quant = chosen_quant(args)  # "auto" resolved against the source and the other options
     args.backend = chosen_backend(args)
     quant = {k: getattr(args, k) for k in ("quant", "quant_group_size", "quant_head") if hasattr(args, k)}
 
@@ -240,7 +242,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     kv_dtype_arg(p)
-    quant_args(p)
+    quant_args(p, auto=True)
     tiered_arg(p)
     sampling_args(p)
     device_arg(p)

@@ -19,10 +19,20 @@ import torch
 
 from kvtrace.sources.gguf import check_gguf
 
-__all__ = ["KEPT", "GGUFBlocks"]
+__all__ = ["KEPT", "GGUFBlocks", "kept_share"]
 
 # ggml type name -> (kvtrace format, bytes per block of 32)
 KEPT = {"Q4_0": ("q4_0", 18), "Q4_1": ("q4_1", 20), "Q8_0": ("q8_0", 34)}
+_KEPT_TYPE_IDS = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}  # their ggml type ids (fixed by the GGUF format)
+
+
+def kept_share(path: Path) -> float:
+    """The share of a GGUF's matrix weights (2-D tensors, by element count) stored as blocks kvtrace keeps (KEPT),
+    read from the remembered header walk (``check_gguf``): no tensor data is touched."""
+    mats = [t for t in check_gguf(path).tensors if len(t.dims) == 2]
+    total = sum(t.dims[0] * t.dims[1] for t in mats)
+    kept = sum(t.dims[0] * t.dims[1] for t in mats if t.ggml_type in _KEPT_TYPE_IDS)
+    return kept / total if total else 0.0
 
 
 class GGUFBlocks:
