@@ -118,6 +118,7 @@ def test_generate_builds_quantized_weights_on_aoti_packed_unless_told_otherwise(
     ("generate", ["--backend", "aoti-packed"], ("aoti-packed", "none")),  # it takes no GGUF blocks
     ("generate", ["--backend", "executorch"], ("executorch", "none")),
     ("generate", ["--dtype", "bfloat16"], ("aoti", "none")),
+    ("generate", ["--kv-dtype", "int8"], ("aoti", "none")),
     ("generate", ["--no-tiered"], ("aoti", "gguf")),
     ("generate", ["--quant", "int8"], ("aoti-packed", "int8")),
     ("chat", [], ("aoti", "gguf")),
