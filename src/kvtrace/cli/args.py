@@ -151,15 +151,19 @@ GGUF_AUTO_ARCHS = ("llama",)  # where GGUF-native programs are tested end to end
 
 def chosen_quant(args: argparse.Namespace) -> str:
     """``--quant`` as given, with "auto" resolved: "gguf" where the source is a Llama GGUF stored mostly as blocks
-    kvtrace keeps and the run can keep them (float32, CPU, the model's KV dtype, a backend that takes GGUF blocks:
-    ``--backend`` aoti or exported, or none given), else "none". GGUF-native programs compute with exactly the GGUF's dequantized values, which
-    is what the float32 path loads too: the choice changes the bytes read per token, not the numbers."""
+    kvtrace keeps and the run can keep them (float32, CPU, the model's KV dtype, a backend that keeps GGUF blocks in
+    its programs: one that offers the scheme and does not fold weights into one program, as ``export`` checks),
+    else "none". GGUF-native programs compute with exactly the GGUF's dequantized values, which is what the float32
+    path loads too: the choice changes the bytes read per token, not the numbers."""
+    from kvtrace.backends import registry
+
     quant = getattr(args, "quant", "auto")
     if quant != "auto":
         return str(quant)
-    if (getattr(args, "backend", None) not in (None, "aoti", "exported") or getattr(args, "dtype", "float32") != "float32"
-            or str(getattr(args, "device", "cpu")) != "cpu" or getattr(args, "kv_dtype", "auto") not in (None, "auto")
-            or str(args.model).endswith((".kvt", ".pte"))):
+    backend = registry.get(getattr(args, "backend", None) or "aoti")
+    if (backend.quant_activations("gguf") is None or backend.packs_weights
+            or getattr(args, "dtype", "float32") != "float32" or str(getattr(args, "device", "cpu")) != "cpu"
+            or getattr(args, "kv_dtype", "auto") not in (None, "auto") or str(args.model).endswith((".kvt", ".pte"))):
         return "none"  # combinations GGUF-native programs are not tested in (an int8 KV cache among them)
     from kvtrace.sources.gguf import check_gguf
     from kvtrace.sources.gguf_blocks import kept_share
