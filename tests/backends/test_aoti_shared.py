@@ -27,6 +27,13 @@ PROMPT = torch.tensor([[5, 17, 42, 8, 99, 3, 64]])
 AOTI = registry.get("aoti")
 
 
+@pytest.fixture(autouse=True)
+def _intel(monkeypatch):
+    """A CPU where decode's linears stay ATen's, as on Intel: on AMD an fp32 decode is compiled on its own with its
+    one-row linears as reductions (``backends/one_row``, tests/backends/test_one_row.py), so nothing shares."""
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")
+
+
 def _decoder():
     return from_source(tiny_model("llama"), dtype="float32", max_seq_len=MAX_SEQ_LEN)[0]
 
@@ -98,9 +105,10 @@ def artifacts(tmp_path_factory):
     program, decode compiled on its own (as kvtrace <= 0.4 did), and the exported programs."""
     model = tiny_model("llama")
     tmp = tmp_path_factory.mktemp("aoti-shared")
-    out = {"shared": kvtrace.export(model, tmp / "shared.kvt", max_seq_len=MAX_SEQ_LEN, backend="aoti"),
-           "exported": kvtrace.export(model, tmp / "e.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported")}
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")  # as ``_intel``, which is per test
+        out = {"shared": kvtrace.export(model, tmp / "shared.kvt", max_seq_len=MAX_SEQ_LEN, backend="aoti"),
+               "exported": kvtrace.export(model, tmp / "e.kvt", max_seq_len=MAX_SEQ_LEN, backend="exported")}
         mp.setattr(aoti, "SHARED_DECODE", False)
         out["separate"] = kvtrace.export(model, tmp / "separate.kvt", max_seq_len=MAX_SEQ_LEN, backend="aoti")
     return model, out

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from kvtrace._errors import ArtifactError, CaptureError
-from kvtrace.backends import pt2, tempcopy
+from kvtrace.backends import one_row, pt2, tempcopy
 from kvtrace.backends.base import Backend, FileMember, Program
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -211,16 +211,19 @@ def uncached(enabled: bool, scratch: Path) -> Iterator[None]:
         yield
 
 
-def _aot_compile(ep: torch.export.ExportedProgram, options: dict[str, Any]) -> list[str] | str:
+def _aot_compile(ep: torch.export.ExportedProgram, options: dict[str, Any], one_rows: bool = False) -> list[str] | str:
     """``torch._inductor.aot_compile`` of ``ep`` with ``options``, under ``torch.no_grad()``: Inductor freezes
     (folds the weights as constants, prepacks them for oneDNN, prunes the originals) only when grad mode is
     off (``compile_fx``: ``config.freezing and not torch.is_grad_enabled()``); with it on, ``freezing`` did
-    nothing but embed the weights (``package_constants_in_so``), and every matmul ran ATen's plain mm."""
+    nothing but embed the weights (``package_constants_in_so``), and every matmul ran ATen's plain mm.
+    ``one_rows``: its one-row linears compiled as reductions (``one_row.rewrite``)."""
     import torch
 
     from kvtrace.capture.export import _example_args
 
     gm = ep.module()
+    if one_rows:
+        one_row.rewrite(gm)
     if options.get("freezing") and options.get("aot_inductor.package_constants_in_so"):
         _flatten_constant_names(gm)
     with torch.no_grad():
@@ -462,7 +465,7 @@ PARALLEL_COMPILE = True
 
 
 def _compile_in_processes(eps: dict[str, torch.export.ExportedProgram], opts: dict[str, dict[str, Any]],
-                          no_cache: bool, tmp: Path) -> dict[str, list[str]]:
+                          no_cache: bool, tmp: Path, one_rows: bool = False) -> dict[str, list[str]]:
     """Program name -> the files ``aot_compile`` wrote, each program compiled in a child process at once.
 
     The programs share their weights: those are written once (safetensors, memory-mapped by every child:
@@ -497,7 +500,7 @@ def _compile_in_processes(eps: dict[str, torch.export.ExportedProgram], opts: di
             job = tmp / f"{name}.job.json"
             job.write_text(json.dumps({"program": str(tmp / f"{name}.json"), "inputs": str(tmp / f"{name}.inputs"),
                                        "weights": str(tmp / "weights.safetensors"), "aliases": aliases,
-                                       "options": opts[name], "no_cache": no_cache,
+                                       "options": opts[name], "no_cache": no_cache, "one_rows": one_rows,
                                        "threads": torch.get_num_threads(),
                                        "out": str(tmp / f"{name}.files.json")}))
             procs[name] = subprocess.Popen(  # started at once: it loads while the next program is written
@@ -547,7 +550,7 @@ def _compile_worker() -> None:
     probe_vec_isa()
     out = Path(job["out"])
     with uncached(job["no_cache"], out.parent / f"{out.name}.inductor"):  # under the parent's temp dir
-        files = _aot_compile(ep, job["options"])
+        files = _aot_compile(ep, job["options"], job.get("one_rows", False))
     out.write_text(json.dumps(files))
 
 
@@ -620,8 +623,14 @@ class AotiBackend(Backend):
         return f"compiling with AOTInductor ({self.name})"
 
     def program_specs(self, programs: tuple[ProgramSpec, ...], decoder: torch.nn.Module) -> tuple[ProgramSpec, ...]:
-        """As declared; decode ``served_by="prefill"`` where prefill's program serves it (``shares_decode``)."""
-        if not SHARED_DECODE or not shares_decode(programs, decoder):
+        """As declared; decode ``served_by="prefill"`` where prefill's program serves it (``shares_decode``) and
+        its one-row linears are not compiled as reductions of their own (``one_row``: a decoder mostly of
+        ``nn.Linear`` on a CPU where ``one_row.wanted``)."""
+        from kvtrace.capture.export import device_of
+
+        reductions = (self.one_row_reductions(decoder.cache_spec.torch_dtype, {device_of(decoder).type})
+                      and one_row.linear_share(decoder) > 0.5)
+        if not SHARED_DECODE or reductions or not shares_decode(programs, decoder):
             return programs
         return tuple(dataclasses.replace(p, served_by="prefill") if p.name == "decode" else p for p in programs)
 
@@ -662,18 +671,25 @@ class AotiBackend(Backend):
                 eps, opts = {**eps, name: eps[of]}, {**opts, name: one}
         with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
             device_types = {_example_args(ep)[0].device.type for ep in eps.values()}  # tokens: where captured
+            one_rows = self.one_row_reductions(dtype, device_types)
             if len(eps) > 1 and PARALLEL_COMPILE and (os.cpu_count() or 1) > 1 and device_types == {"cpu"}:
-                files = _compile_in_processes(eps, opts, self.no_compile_cache, Path(tmp))
+                files = _compile_in_processes(eps, opts, self.no_compile_cache, Path(tmp), one_rows)
             else:  # one after another (CUDA programs too: a child would get the weights on the CPU)
                 probe_vec_isa()
                 files = {}
                 for name, ep in eps.items():
                     with uncached(self.no_compile_cache, Path(tmp) / f"{name}.inductor"):
-                        files[name] = _aot_compile(ep, opts[name])
+                        files[name] = _aot_compile(ep, opts[name], one_rows)
             files = {name: _package_files(out) for name, out in files.items()}
             pkg = Path(tmp) / "aoti.pt2"
             package_aoti(str(pkg), files)
             return {PACKAGE: pkg.read_bytes()}
+
+    def one_row_reductions(self, dtype: torch.dtype, device_types: Collection[str]) -> bool:
+        """Whether this backend compiles its programs' one-row linears as reductions (``one_row.rewrite``): weights
+        not frozen (a packed backend's GEMM templates are fast already), on a CPU where ``one_row.wanted``."""
+        return (not self.packs_weights and set(device_types) == {"cpu"}
+                and one_row.wanted(dtype, "cpu", _cpu_vendor()))
 
     # Extra library name -> the compiled program it is a variant of: that program compiled as for one cache row,
     # packaged beside it where its options differ, and loaded where the package holds it (``AotiPackedBackend``).

@@ -1,0 +1,92 @@
+"""One-row linears as Inductor reductions, for the CPUs where ATen's GEMV is slow.
+
+Batch-1 decode multiplies one row of activations by every weight matrix: ``y[n] = sum_k x[k] * W[n, k]``, a
+GEMV that reads each weight once. ATen sends ``linear`` to MKL, whose fp32 and bf16 GEMV on AMD CPUs streams
+a fraction of the machine's bandwidth; written as a multiply and a sum over K, Inductor generates one
+vectorized reduction per matrix instead (outputs split over the threads, K contiguous in each row of W). Per
+matrix, 2 threads, weights rotated past the L3, torch.compile, on a 2-vCPU AMD EPYC (Zen 4, stop 45):
+
+=================  ======================  ======================
+[N, K]             fp32 MKL -> reduction    bf16 MKL -> reduction
+=================  ======================  ======================
+[1536, 576]        379 -> 145 us            143 -> 91 us
+[576, 1536]        268 -> 160 us            128 -> 74 us
+[49152, 576] head  12.5 -> 3.5 ms           3.7 -> 2.0 ms
+=================  ======================  ======================
+
+``rewrite`` makes the change in a program's graph, for each ``aten.linear`` whose input has exactly one row
+as a static size (a decode program's [1, 1, K]; prefill's symbolic T keeps ATen's GEMM, where a reduction
+would read W once per row). ``wanted`` says where: backend ``aoti`` (weights not frozen; ``aoti-packed``'s
+GEMM templates are fast there already), on the CPU, float32 / bfloat16, AMD. On Intel CPUs MKL's GEMV runs
+near the bandwidth bound (``aoti`` fp32 decode at ~0.97 of it, stop 26) and is kept.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = ["linear_share", "rewrite", "wanted"]
+
+
+def wanted(dtype: torch.dtype, device_type: str, vendor: str) -> bool:
+    """Whether a one-token program over unfrozen ``dtype`` weights on ``device_type`` computes its one-row
+    linears as reductions (``rewrite``) on a CPU of ``vendor`` (/proc/cpuinfo's vendor_id)."""
+    import torch
+
+    return device_type == "cpu" and dtype in (torch.float32, torch.bfloat16) and vendor == "AuthenticAMD"
+
+
+def linear_share(module: torch.nn.Module) -> float:
+    """The share of ``module``'s weight bytes held by plain ``nn.Linear`` modules (a tied table counted once):
+    what ``rewrite`` can speed up (quantized linears are other modules, calling other ops)."""
+    import torch
+
+    seen: set[int] = set()
+    linear = total = 0
+    for m in module.modules():
+        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
+            if t is None or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            n = t.numel() * t.element_size()
+            total += n
+            linear += n if type(m) is torch.nn.Linear else 0
+    return linear / total if total else 0.0
+
+
+def rewrite(gm: torch.fx.GraphModule) -> int:
+    """Every ``aten.linear(x, W, b)`` of ``gm`` whose ``x`` [..., K] holds one row (every leading size a static
+    1) replaced, in place, by ``sum(x[..., None, :] * W, -1) (+ b)`` [..., N]: the same sum of products, added
+    in Inductor's order (float32 accumulation; within the fp32 rule of verify). Returns how many it replaced.
+
+    ``gm``: an exported program's module (``ExportedProgram.module()``), its nodes carrying the export's
+    ``meta["val"]``; the compile that follows traces it again."""
+    import torch
+
+    aten = torch.ops.aten
+    n_done = 0
+    for node in list(gm.graph.find_nodes(op="call_function", target=aten.linear.default)):
+        x, w, *rest = node.args
+        bias = rest[0] if rest else node.kwargs.get("bias")
+        val = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if val is None or len(val.shape) < 2 or not all(isinstance(s, int) for s in val.shape[:-1]):
+            continue
+        if math.prod(val.shape[:-1]) != 1:
+            continue
+        with gm.graph.inserting_before(node):
+            row = gm.graph.call_function(aten.unsqueeze.default, (x, -2))  # [..., 1, K]
+            prod = gm.graph.call_function(aten.mul.Tensor, (row, w))  # [..., N, K]: never materialized
+            out = gm.graph.call_function(aten.sum.dim_IntList, (prod, [-1]))  # [..., N]
+            if bias is not None:
+                out = gm.graph.call_function(aten.add.Tensor, (out, bias))
+        node.replace_all_uses_with(out)
+        gm.graph.erase_node(node)
+        n_done += 1
+    if n_done:
+        gm.graph.lint()
+        gm.recompile()
+    return n_done

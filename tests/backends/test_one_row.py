@@ -1,0 +1,101 @@
+"""One-row linears as Inductor reductions (``backends/one_row``): which programs get them (backend ``aoti`` on AMD
+CPUs, float32 / bfloat16, a decoder mostly of ``nn.Linear``: decode then compiled on its own), what the rewrite
+changes in a graph (only linears over one static row) and that the compiled decode computes eager's numbers
+without calling ATen's matmul."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import kvtrace
+from conftest import tiny_model
+from helpers import package_libraries
+from kvtrace.artifact.export import from_source
+from kvtrace.backends import aoti, one_row, registry
+from kvtrace.models.quant import quantize_decoder
+from kvtrace.models.step import LIVE_PROGRAMS
+from kvtrace.spec.quant import parse_quant
+
+MAX_SEQ_LEN = 32
+
+
+class _Two(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 24)  # with a bias
+        self.b = torch.nn.Linear(24, 8, bias=False)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _linears(gm) -> int:
+    return len(gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 16), (1, 16)])
+def test_one_row_linears_become_reductions_with_the_same_numbers(shape):
+    torch.manual_seed(0)
+    model, x = _Two().eval(), torch.randn(*shape)
+    gm = torch.export.export(model, (x,)).module()
+    assert one_row.rewrite(gm) == 2 and _linears(gm) == 0
+    ops = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    assert torch.ops.aten.sum.dim_IntList in ops and torch.ops.aten.mm.default not in ops
+    torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+def test_linears_over_several_or_symbolic_rows_keep_atens_matmul():
+    model = _Two().eval()
+    gm = torch.export.export(model, (torch.randn(1, 3, 16),)).module()  # three static rows
+    assert one_row.rewrite(gm) == 0 and _linears(gm) == 2
+    t = torch.export.Dim("T", min=1, max=32)
+    gm = torch.export.export(model, (torch.randn(1, 3, 16),), dynamic_shapes=({1: t},)).module()  # prefill's T
+    assert one_row.rewrite(gm) == 0 and _linears(gm) == 2
+
+
+@pytest.mark.parametrize(("dtype", "device", "vendor", "expected"), [
+    (torch.float32, "cpu", "AuthenticAMD", True), (torch.bfloat16, "cpu", "AuthenticAMD", True),
+    (torch.float32, "cpu", "GenuineIntel", False), (torch.float32, "cpu", "", False),
+    (torch.float16, "cpu", "AuthenticAMD", False), (torch.float32, "cuda", "AuthenticAMD", False),
+])
+def test_reductions_are_wanted_where_atens_gemv_was_measured_slow(dtype, device, vendor, expected):
+    assert one_row.wanted(dtype, device, vendor) is expected
+
+
+def test_on_amd_aoti_compiles_decode_on_its_own_unless_its_weights_are_mostly_quantized(monkeypatch):
+    decoder = from_source(tiny_model("llama"), dtype="float32", max_seq_len=MAX_SEQ_LEN)[0]
+    assert one_row.linear_share(decoder) > 0.5
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "AuthenticAMD")
+    specs = registry.get("aoti").program_specs(LIVE_PROGRAMS, decoder)
+    assert [(p.name, p.served_by) for p in specs] == [("prefill", None), ("decode", None)]
+    packed = registry.get("aoti-packed").program_specs(LIVE_PROGRAMS, decoder)  # its GEMM templates: no reductions
+    assert [(p.name, p.served_by) for p in packed] == [("prefill", None), ("decode", "prefill")]
+    assert not registry.get("aoti-packed").one_row_reductions(torch.float32, {"cpu"})
+    assert not registry.get("aoti").one_row_reductions(torch.float32, {"cuda"})
+    int8 = from_source(tiny_model("llama"), dtype="float32", max_seq_len=MAX_SEQ_LEN)[0]
+    quantize_decoder(int8, parse_quant("int8"))
+    assert one_row.linear_share(int8) < 0.5  # nothing for the rewrite to speed up: one program, as before
+    assert [p.served_by for p in registry.get("aoti").program_specs(LIVE_PROGRAMS, int8)] == [None, "prefill"]
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")
+    assert [p.served_by for p in registry.get("aoti").program_specs(LIVE_PROGRAMS, decoder)] == [None, "prefill"]
+
+
+@pytest.mark.compile
+def test_an_amd_aoti_artifacts_decode_calls_no_matmul_and_verifies_against_eager(tmp_path, monkeypatch):
+    from kvtrace.tools.verify import EagerRunner, SessionRunner, verify
+
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "AuthenticAMD")
+    model = tiny_model("llama")
+    path = kvtrace.export(model, tmp_path / "amd.kvt", max_seq_len=MAX_SEQ_LEN, backend="aoti")
+    art = kvtrace.load(path)
+    assert art.manifest.programs["decode"].served_by is None
+    calls = {name: set(re.findall(rb"aoti_torch_cpu_[a-z_]+", lib)) for name, lib in package_libraries(path).items()}
+    assert b"aoti_torch_cpu_mm_out" in calls["prefill"]  # a symbolic T: ATen's GEMM
+    assert not {c for c in calls["decode"] if b"mm" in c}, calls["decode"]  # every linear a reduction
+    report = verify(EagerRunner(model), [SessionRunner(art.session(), "aoti")],
+                    [[5, 17, 42, 8, 99, 3, 64], [7, 1]], steps=6)
+    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
+    assert len(report.rows) == 2 * 7
