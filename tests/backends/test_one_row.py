@@ -99,3 +99,31 @@ def test_an_amd_aoti_artifacts_decode_calls_no_matmul_and_verifies_against_eager
                     [[5, 17, 42, 8, 99, 3, 64], [7, 1]], steps=6)
     assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
     assert len(report.rows) == 2 * 7
+
+
+@pytest.mark.compile
+def test_jit_on_amd_compiles_its_decode_linears_as_reductions_with_eagers_numbers(monkeypatch):
+    from transformers import DynamicCache
+
+    rewritten = []
+
+    def counting(gm):
+        rewritten.append(real(gm))
+        return rewritten[-1]
+
+    real = one_row.rewrite
+    monkeypatch.setattr(one_row, "rewrite", counting)
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "AuthenticAMD")
+    model = tiny_model("llama")
+    jm = kvtrace.jit(model)
+    jc, ec = DynamicCache(), DynamicCache()
+    ids, mask = torch.tensor([[5, 17, 42, 8, 99]]), torch.ones(1, 5, dtype=torch.long)
+    with torch.inference_mode():
+        for _ in range(6):
+            j = jm(input_ids=ids, attention_mask=mask, past_key_values=jc, use_cache=True)
+            e = model(input_ids=ids, attention_mask=mask, past_key_values=ec, use_cache=True)
+            torch.testing.assert_close(j.logits, e.logits, rtol=1e-4, atol=1e-4)
+            ids, mask = e.logits[:, -1:].argmax(-1), torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], 1)
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert jm.stats.captures == 2 and len(rewritten) == 2  # prefill (T symbolic: none) and decode (every one)
+    assert sorted(rewritten) == [0, n_linear], (rewritten, n_linear)

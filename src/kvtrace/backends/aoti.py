@@ -271,13 +271,23 @@ def probe_vec_isa() -> None:
 
 
 def aoti_compile(ep: torch.export.ExportedProgram, package_path: str | os.PathLike[str]) -> Callable[..., Any]:
-    """Compile ``ep`` ahead of time and load it, with the ExportedProgram's own weights attached."""
+    """Compile ``ep`` ahead of time into a package at ``package_path`` and load it, with the ExportedProgram's own
+    weights attached. Where ``one_row.wanted`` says so for the dtype holding most of its weight bytes (a CPU
+    program on AMD: kvtrace.jit's decode programs), its one-row linears are compiled as reductions."""
     import torch
+    from torch._inductor.package import package_aoti
 
-    path = torch._inductor.aoti_compile_and_package(
-        ep, package_path=os.fspath(package_path), inductor_configs=inductor_options()
-    )
-    return aoti_load(path, weights=weights_of(ep))
+    weights = weights_of(ep)
+    devices = {t.device.type for t in weights.values()}
+    if not one_row.wanted(one_row.dominant_dtype(weights.values()), devices.pop() if len(devices) == 1 else "",
+                          _cpu_vendor()):
+        path = torch._inductor.aoti_compile_and_package(
+            ep, package_path=os.fspath(package_path), inductor_configs=inductor_options()
+        )
+        return aoti_load(path, weights=weights)
+    files = _aot_compile(ep, {**inductor_options(), "aot_inductor.package": True}, one_rows=True)
+    package_aoti(os.fspath(package_path), {"model": _package_files(files)})
+    return aoti_load(package_path, weights=weights)
 
 
 def weights_of(ep: torch.export.ExportedProgram) -> dict[str, torch.Tensor]:

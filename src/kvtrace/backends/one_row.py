@@ -24,20 +24,30 @@ near the bandwidth bound (``aoti`` fp32 decode at ~0.97 of it, stop 26) and is k
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["linear_share", "rewrite", "wanted"]
+__all__ = ["dominant_dtype", "linear_share", "rewrite", "wanted"]
 
 
-def wanted(dtype: torch.dtype, device_type: str, vendor: str) -> bool:
+def wanted(dtype: torch.dtype | None, device_type: str, vendor: str) -> bool:
     """Whether a one-token program over unfrozen ``dtype`` weights on ``device_type`` computes its one-row
     linears as reductions (``rewrite``) on a CPU of ``vendor`` (/proc/cpuinfo's vendor_id)."""
     import torch
 
     return device_type == "cpu" and dtype in (torch.float32, torch.bfloat16) and vendor == "AuthenticAMD"
+
+
+def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
+    """The floating dtype holding most bytes of ``tensors`` (a program's weights); None if none is floating."""
+    size: dict[torch.dtype, int] = {}
+    for t in tensors:
+        if t.is_floating_point():
+            size[t.dtype] = size.get(t.dtype, 0) + t.numel() * t.element_size()
+    return max(size, key=size.__getitem__) if size else None
 
 
 def linear_share(module: torch.nn.Module) -> float:
