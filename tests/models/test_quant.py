@@ -5,6 +5,7 @@ record and the refusals."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -269,6 +270,25 @@ def test_refusals(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("scheme", ["int4", "8da4w"])
+def test_a_group_size_that_would_leave_layers_in_float32_is_refused_naming_the_ones_that_fit(scheme):
+    """SmolLM2 (dim 576) at group size 128 quantized 30 of 120 linears and kept 90 in float32 without a word: a
+    347 MiB "8da4w" artifact. Refused, before any capture, where another group size divides every layer."""
+    decoder = make_decoder(tiny_model("llama"), max_seq_len=16)  # in_features 64 (hidden) and 128 (mlp)
+    with pytest.raises(UsageError, match=r"group_size 128 would leave 6 of 8 linear layers in float32: their "
+                                         r"in_features \(64 in layers.0.\w+\).*divide every layer: \[32, 64\]"):
+        q.quantize_decoder(decoder, parse_quant(scheme, group_size=128))
+
+
+def test_layers_no_group_size_fits_stay_float32_and_are_recorded():
+    """in_features 80 (the MLP's) fits no offered group size: those layers stay float32, recorded with why."""
+    decoder = make_decoder(tiny_model("llama", intermediate_size=80), max_seq_len=16)
+    done = q.quantize_decoder(decoder, parse_quant("int4"))
+    assert set(done.dequantized) == {"layers.0.w2", "layers.1.w2"}
+    assert all("not a multiple of group_size 32" in why for why in done.dequantized.values())
+    assert type(decoder.layers[0].w2) is nn.Linear and done.tensors["layers.0.wqkv"] == "int4"
+
+
 def test_quant_spec_from_a_forged_manifest_is_an_artifact_error():
     with pytest.raises(ArtifactError, match="manifest quant"):
         QuantSpec.from_dict({"scheme": "int4"})
@@ -374,3 +394,16 @@ def test_compiled_quantized_artifacts_verify(scheme, backend, llama, q41_gguf, t
     assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
     (s,) = report.summary()
     assert s["tokens_agree"] == s["steps"]
+
+
+def test_export_says_which_weights_stay_float(tmp_path):
+    said = []
+
+    def progress(what):
+        said.append(what)
+        return contextlib.nullcontext()
+
+    kvtrace.export(tiny_model("llama", intermediate_size=80), tmp_path / "m.kvt", max_seq_len=16, backend="exported",
+                   quant="int4", progress=progress)
+    [line] = [w for w in said if "kept in" in w]
+    assert "kept in float32: layers.0.w2 (in_features 80 is not a multiple of group_size 32) and 1 more" in line

@@ -257,6 +257,11 @@ def export(
         decoder, model, info, tokenizer_json, qspec = _from_source(
             source, dtype=tdtype, max_seq_len=max_seq_len, batch_size=batch_size, image_tokens=image_tokens,
             kv_dtype=kv_dtype, device=dev, quant=qspec)
+    if qspec is not None and qspec.dequantized:  # said, not silent: which weights stay float and why
+        (name, why), more = next(iter(qspec.dequantized.items())), len(qspec.dequantized) - 1
+        with progress(f"weights {qspec.describe()}; kept in {str(tdtype).removeprefix('torch.')}: {name} ({why})"
+                      + (f" and {more} more" if more else "")):
+            pass
     if slots is not None and decoder.cache_spec.batch_size != slots:
         raise UsageError(f"slots={slots} asks for {slots} cache rows, but this Decoder's cache_spec has batch_size "
                          f"{decoder.cache_spec.batch_size}; build the Decoder with batch_size={slots}")

@@ -43,8 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtrace._errors import UnsupportedError
-from kvtrace.spec.quant import QuantSpec
+from kvtrace._errors import UnsupportedError, UsageError
+from kvtrace.spec.quant import GROUP_SIZES, QuantSpec
 
 __all__ = ["DequantLinear", "DynQuantLinear", "GGUFEmbedding", "GGUFLinear", "GGUFRows", "Int4Linear", "Int8Embedding",
            "Int8Linear", "dequantize_int4", "dynamic_int8_rows", "pack_int4", "quantize_decoder", "quantize_int4",
@@ -546,9 +546,30 @@ def quantize_decoder(decoder: nn.Module, spec: QuantSpec, *, gguf: GGUFRows | No
     if chosen is not None and set(chosen) != set(tensors) and not reference:
         raise UnsupportedError(f"the decoder's modules do not match the recorded quantization: "
                                f"{sorted(set(chosen) ^ set(tensors))[:4]}")
+    if chosen is None and not reference and spec.scheme in ("int4", "8da4w"):
+        _check_group_size(spec, linears, tensors, dequantized)
     packed = not reference and not asym and any(f.startswith("int4") for f in tensors.values())
     return QuantSpec(spec.scheme, spec.group_size, spec.head, tensors, dequantized,
                      int4_layout=int4pack_layout() if packed else None, act=spec.act)
+
+
+def _check_group_size(spec: QuantSpec, linears: dict[str, nn.Linear], tensors: dict[str, str],
+                      dequantized: dict[str, str]) -> None:
+    """UsageError when ``spec.group_size`` left linears in float32 (their in_features not a multiple of it) that
+    another group size would have quantized: the user asked for int4 weights and would get mostly float32 ones
+    (SmolLM2 at group size 128: 150 of 211 linears, in_features 576, a 347 MiB "int4" artifact). Where no group
+    size fits a layer, it stays float32 as recorded (``QuantSpec.dequantized``)."""
+    left = [n for n, why in dequantized.items() if why.startswith("in_features")]
+    if not left:
+        return
+    grouped = [n for n, f in tensors.items() if f.startswith("int4")] + left  # the linears taking int4 groups
+    fits = [g for g in GROUP_SIZES if all(linears[n].in_features % g == 0 for n in grouped)]
+    if fits:
+        raise UsageError(f"quant={spec.scheme!r} with group_size {spec.group_size} would leave {len(left)} of "
+                         f"{len(grouped)} linear layers in float32: their in_features "
+                         f"({linears[left[0]].in_features} in {left[0]}) are not a multiple of {spec.group_size}. "
+                         f"Group sizes that divide every layer: {fits}; pass one (--quant-group-size "
+                         f"{max(fits)}, or quant_group_size={max(fits)})")
 
 
 def _int8_linear(q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, asym: bool) -> nn.Module:
