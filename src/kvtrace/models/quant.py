@@ -557,7 +557,7 @@ def _check_group_size(spec: QuantSpec, linears: dict[str, nn.Linear], tensors: d
                       dequantized: dict[str, str]) -> None:
     """UsageError when ``spec.group_size`` left linears in float32 (their in_features not a multiple of it) that
     another group size would have quantized: the user asked for int4 weights and would get mostly float32 ones
-    (SmolLM2 at group size 128: 150 of 211 linears, in_features 576, a 347 MiB "int4" artifact). Where no group
+    (SmolLM2 at group size 128: 90 of 120 linears, in_features 576, a 347 MiB "8da4w" artifact). Where no group
     size fits a layer, it stays float32 as recorded (``QuantSpec.dequantized``)."""
     left = [n for n, why in dequantized.items() if why.startswith("in_features")]
     if not left:
