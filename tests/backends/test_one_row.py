@@ -67,7 +67,7 @@ def test_reductions_are_wanted_where_atens_gemv_was_measured_slow(dtype, device,
 
 def test_on_amd_aoti_compiles_decode_on_its_own_unless_its_weights_are_mostly_quantized(monkeypatch):
     decoder = from_source(tiny_model("llama"), dtype="float32", max_seq_len=MAX_SEQ_LEN)[0]
-    assert one_row.linear_share(decoder) > 0.5
+    assert one_row.weight_share(decoder, lambda m: type(m) is torch.nn.Linear) > 0.5
     monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "AuthenticAMD")
     specs = registry.get("aoti").program_specs(LIVE_PROGRAMS, decoder)
     assert [(p.name, p.served_by) for p in specs] == [("prefill", None), ("decode", None)]
@@ -77,7 +77,7 @@ def test_on_amd_aoti_compiles_decode_on_its_own_unless_its_weights_are_mostly_qu
     assert not registry.get("aoti").one_row_reductions(torch.float32, {"cuda"})
     int8 = from_source(tiny_model("llama"), dtype="float32", max_seq_len=MAX_SEQ_LEN)[0]
     quantize_decoder(int8, parse_quant("int8"))
-    assert one_row.linear_share(int8) < 0.5  # nothing for the rewrite to speed up: one program, as before
+    assert one_row.weight_share(int8, lambda m: type(m) is torch.nn.Linear) < 0.5  # nothing for the rewrite to speed up: one program, as before
     assert [p.served_by for p in registry.get("aoti").program_specs(LIVE_PROGRAMS, int8)] == [None, "prefill"]
     monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")
     assert [p.served_by for p in registry.get("aoti").program_specs(LIVE_PROGRAMS, decoder)] == [None, "prefill"]

@@ -636,10 +636,12 @@ class AotiBackend(Backend):
         """As declared; decode ``served_by="prefill"`` where prefill's program serves it (``shares_decode``) and
         its one-row linears are not compiled as reductions of their own (``one_row``: a decoder mostly of
         ``nn.Linear`` on a CPU where ``one_row.wanted``)."""
+        import torch
+
         from kvtrace.capture.export import device_of
 
         reductions = (self.one_row_reductions(decoder.cache_spec.torch_dtype, {device_of(decoder).type})
-                      and one_row.linear_share(decoder) > 0.5)
+                      and one_row.weight_share(decoder, lambda m: type(m) is torch.nn.Linear) > 0.5)
         if not SHARED_DECODE or reductions or not shares_decode(programs, decoder):
             return programs
         return tuple(dataclasses.replace(p, served_by="prefill") if p.name == "decode" else p for p in programs)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, TypeVar
 
 from kvtrace._errors import ArtifactError, UsageError
+from kvtrace.backends import one_row
 from kvtrace.backends.aoti import AotiBackend
 from kvtrace.backends.base import Program
 
@@ -58,17 +59,7 @@ def own_decode(programs: Sequence[ProgramSpec], decoder: torch.nn.Module) -> boo
     (the template on the step program), artifact 222 vs 112 MB."""
     if any(p.slots for p in programs):
         return False
-    seen: set[int] = set()
-    special = total = 0
-    for m in decoder.modules():
-        for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
-            if t is None or t.data_ptr() in seen:  # a tied table (embedding and head) once
-                continue
-            seen.add(t.data_ptr())
-            n = t.numel() * t.element_size()
-            total += n
-            special += n if getattr(m, "one_row_template", False) else 0
-    return special * 2 > total
+    return one_row.weight_share(decoder, lambda m: getattr(m, "one_row_template", False)) > 0.5
 
 
 class AotiPackedBackend(AotiBackend):

@@ -24,13 +24,13 @@ near the bandwidth bound (``aoti`` fp32 decode at ~0.97 of it, stop 26) and is k
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-__all__ = ["dominant_dtype", "linear_share", "rewrite", "wanted"]
+__all__ = ["dominant_dtype", "rewrite", "wanted", "weight_share"]
 
 
 def wanted(dtype: torch.dtype | None, device_type: str, vendor: str) -> bool:
@@ -50,13 +50,11 @@ def dominant_dtype(tensors: Iterable[torch.Tensor]) -> torch.dtype | None:
     return max(size, key=size.__getitem__) if size else None
 
 
-def linear_share(module: torch.nn.Module) -> float:
-    """The share of ``module``'s weight bytes held by plain ``nn.Linear`` modules (a tied table counted once):
-    what ``rewrite`` can speed up (quantized linears are other modules, calling other ops)."""
-    import torch
-
+def weight_share(module: torch.nn.Module, counts: Callable[[torch.nn.Module], bool]) -> float:
+    """The share of ``module``'s weight bytes (parameters and buffers, a tied table once) held directly by the
+    submodules for which ``counts`` is true: e.g. plain ``nn.Linear``, what ``rewrite`` can speed up."""
     seen: set[int] = set()
-    linear = total = 0
+    part = total = 0
     for m in module.modules():
         for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)):
             if t is None or t.data_ptr() in seen:
@@ -64,8 +62,8 @@ def linear_share(module: torch.nn.Module) -> float:
             seen.add(t.data_ptr())
             n = t.numel() * t.element_size()
             total += n
-            linear += n if type(m) is torch.nn.Linear else 0
-    return linear / total if total else 0.0
+            part += n if counts(m) else 0
+    return part / total if total else 0.0
 
 
 def rewrite(gm: torch.fx.GraphModule) -> int:
