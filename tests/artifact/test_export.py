@@ -564,6 +564,9 @@ def test_live_prefix_programs_read_L_slots_and_fill_the_cache_to_the_last_slot(t
         assert len(sdpa) == model.config.num_hidden_layers
         keys = sdpa[0].args[1].meta["val"].shape[2]  # k: [B, H_kv, L, D]
         assert not isinstance(keys, int), f"{name}: attention reads {keys} slots, not the symbolic live prefix L"
+    # decode reads the live prefix as a view of the cache (cache.full.live), prefill gathers it
+    gathers = {name: sum("index_select" in str(n.target) for n in ep.graph.nodes) for name, ep in eps.items()}
+    assert gathers == {"prefill": 2 * model.config.num_hidden_layers, "decode": 0}, gathers
     art = kvtrace.load(kvtrace.export(model, tmp_path / "m.kvt", max_seq_len=16))
     assert all(p.key_pos for p in art.manifest.programs.values())
     assert "key_pos[L] int64" in art.manifest.programs["decode"].signature()

@@ -5,8 +5,8 @@ once per self-attention layer and then attends with its own kernel (SDPA, soft-c
 what a layer reads and writes for each kind and each ``kv_dtype`` is decided here, once::
 
     FULL     writes k, v at slots input_pos; reads every slot [B, H_kv, S, D], or with key_pos [L] the
-             live prefix [B, H_kv, L, D] (gathered: a slice would make torch.export guard L != S, so a
-             program could never fill its last slot); the caller masks by position ([T, S] or [T, L])
+             live prefix [B, H_kv, L, D] (key_pos = 0 .. L-1; gathered, or a view where the caller asks,
+             ``full.live``); the caller masks by position ([T, S] or [T, L])
     SLIDING  reads the ring as it was plus the call's keys [B, H_kv, W + T, D] with the ring's own mask
              [T, W + T] (``sliding.attention_inputs``), then writes slots input_pos % W
 
@@ -27,10 +27,12 @@ __all__ = ["update"]
 
 
 def update(layer: LayerState, ring: bool, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           key_pos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+           key_pos: torch.Tensor | None = None,
+           view: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """k, v [B, H_kv, T, D] at positions ``input_pos [T]`` into ``layer`` -> (keys, values, mask): what the
     call's queries attend over, and for a ring (``ring``: a SLIDING layer) its mask [T, W + T] (True = visible);
-    None for a full layer, which the caller masks by position."""
+    None for a full layer, which the caller masks by position. ``view``: the live prefix (key_pos) is read as a
+    view of the cache, not gathered (``full.live``; only for callers whose attention is SDPA, in one-token calls)."""
     scales = layer.scales
     if ring:
         if scales is None:
@@ -43,11 +45,9 @@ def update(layer: LayerState, ring: bool, input_pos: torch.Tensor, k: torch.Tens
         return keys, values, mask
     _write(full.OPS, layer, input_pos, k, v)  # slots input_pos of [B, H_kv, S, D]
     if scales is not None:
-        keys, values = int8.read(layer.k, layer.v, scales, k.dtype, key_pos)  # [B, H_kv, L or S, D]
-    elif key_pos is None:
-        keys, values = layer.k, layer.v
+        keys, values = int8.read(layer.k, layer.v, scales, k.dtype, key_pos, view)  # [B, H_kv, L or S, D]
     else:
-        keys, values = layer.k.index_select(2, key_pos), layer.v.index_select(2, key_pos)  # [B, H_kv, L, D]
+        keys, values = full.live(layer.k, key_pos, view), full.live(layer.v, key_pos, view)  # [B, H_kv, L or S, D]
     return keys, values, None
 
 

@@ -18,9 +18,26 @@ import torch
 from kvtrace.cache.kinds import PAST, KindOps
 from kvtrace.spec.cache import LayerKind
 
-__all__ = ["OPS", "SELF", "FullOps"]
+__all__ = ["OPS", "SELF", "FullOps", "live"]
 
 SELF = "self"  # HF layer-pattern label: a self-attention layer holding P past tokens (or none yet)
+
+
+def live(cache: torch.Tensor, key_pos: torch.Tensor | None, view: bool) -> torch.Tensor:
+    """Slots ``key_pos [L]`` of ``cache`` [B, H_kv, S, ...] -> [B, H_kv, L, ...], the whole cache when key_pos is
+    None. key_pos is the live prefix 0 .. L-1 (the Session's contract, ``ProgramSpec.key_pos``).
+
+    ``view``: the first L slots as a view, no copy; else gathered (a copy of L slots). A view of L of S slots
+    is contiguous exactly when L == S, which torch.export turns into the guard L != S unless the program is
+    captured size-obliviously (``capture.export._size_oblivious``: one-token programs of decoders whose
+    attention is SDPA in ``llama.cached_attention``; with T symbolic, or a matmul reading the view, other
+    guards appear). SmolLM2 Q4_1 decode, view vs gather (stop 46): 141 -> 150 tokens/s at positions 37-101,
+    115 -> 129 at 300-364."""
+    if key_pos is None:
+        return cache
+    if view:
+        return cache[:, :, : key_pos.shape[0]]
+    return cache.index_select(2, key_pos)
 
 
 class FullOps(KindOps):

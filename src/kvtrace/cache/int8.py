@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from kvtrace.cache import full
 from kvtrace.cache.kinds import KindOps
 
 __all__ = ["MIN_SCALE", "QMAX", "dequantize", "quantize", "read", "stored", "valid", "write"]
@@ -58,13 +59,14 @@ def write(kind: KindOps, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: t
 
 
 def read(k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,
-         slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dequantized K, V [B, H_kv, S, D] in ``dtype``; with ``slots [L]`` only those ([B, H_kv, L, D]),
-    gathered before dequantizing (L slots of work, not S)."""
+         slots: torch.Tensor | None = None, view: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dequantized K, V [B, H_kv, S, D] in ``dtype``; with ``slots [L]`` (the live prefix 0 .. L-1) only those
+    ([B, H_kv, L, D]: gathered, or a view with ``view``; ``full.live``), dequantized after (L slots of work,
+    not S)."""
     k_scale, v_scale = scales
     if slots is not None:
-        k_cache, v_cache = k_cache.index_select(2, slots), v_cache.index_select(2, slots)
-        k_scale, v_scale = k_scale.index_select(2, slots), v_scale.index_select(2, slots)
+        k_cache, v_cache = full.live(k_cache, slots, view), full.live(v_cache, slots, view)
+        k_scale, v_scale = full.live(k_scale, slots, view), full.live(v_scale, slots, view)
     return dequantize(k_cache, k_scale, dtype), dequantize(v_cache, v_scale, dtype)
 
 

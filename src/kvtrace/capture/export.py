@@ -10,6 +10,7 @@ device (its parameters'), so a decoder on a GPU is captured — and then compile
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import inspect
@@ -49,9 +50,25 @@ def capture_programs(decoder: torch.nn.Module,
             shapes = _dynamic_shapes(method, args, p, Dim("T", min=1, max=spec.max_seq_len) if t > 1 else None,
                                      Dim("L", min=1, max=spec.max_seq_len),
                                      Dim("R", min=1, max=spec.batch_size) if p.slots and r > 1 else None)
-        with torch.no_grad(), preserved(decoder, what=f"the model ({type(decoder).__name__})"):
+        with torch.no_grad(), preserved(decoder, what=f"the model ({type(decoder).__name__})"), \
+                _size_oblivious(p.key_pos and p.single_token and not p.slots
+                                and getattr(decoder, "fused_attention", False)):
             eps[p.name] = torch.export.export(method, args, dynamic_shapes=shapes, strict=False)
     return eps
+
+
+def _size_oblivious(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Decode programs of decoders whose full layers attend in ``llama.cached_attention`` (``fused_attention``)
+    read the live prefix as a view (``cache.full.live``): L of S slots. Node metadata asks whether such a view
+    is contiguous, true only at L == S, and with the symbol L backed that question becomes the guard L != S,
+    outside L's declared range [1, S] (export refuses). Size-oblivious capture answers it for all sizes alike
+    ("not contiguous") without a guard. Only there: with T symbolic (prefill) Phi-3 got a guard T != 1 of its
+    own, and a matmul over such a view (Gemma-2's soft-capped attention) the guard L != 1; those gather."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.fx.experimental import _config as fx_config
+
+    return fx_config.patch(backed_size_oblivious=True)
 
 
 def _example_spine(p: ProgramSpec, batch: int, t: int, r: int, device: torch.device) -> tuple[torch.Tensor, ...]:

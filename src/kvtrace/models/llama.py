@@ -96,9 +96,12 @@ def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     What it reads and writes per kind and kv_dtype is ``cache.attend.update``'s: a full layer attends over
     all S slots with ``mask`` [T, S], or (``key_pos [L]``, the live prefix) over those L slots with mask [T, L];
     a ring (``ring``: a SLIDING layer, S = window) over the ring plus the new keys with its own mask.
-    The live prefix is gathered ([B, H_kv, L, D], a copy of L slots). Measured on SmolLM2 fp32 (decode
-    tokens/s at position 32 / 300 / 900): gather 47.0 / 42.6 / 35.7; one SDPA per KV head over contiguous
-    per-head slices (no copy) 43.7 / 40.1 / 36.6; all max_seq_len slots with a mask 37.0 / - / 37.7.
+    In one-token calls the live prefix is a view of the cache's first L slots (``cache.full.live``, no copy),
+    gathered otherwise. Measured on SmolLM2
+    fp32 (decode tokens/s at position 32 / 300 / 900, stop 26): a gather (a copy of L slots) 47.0 / 42.6 / 35.7;
+    one SDPA per KV head over per-head slices 43.7 / 40.1 / 36.6; all max_seq_len slots with a mask
+    37.0 / - / 37.7; the view over the gather (Q4_1, stop 46): 141 -> 150 tokens/s at 37-101, 115 -> 129 at
+    300-364.
     ``slots [R]`` (a slots program; full layers, K/V in the model's dtype): q, k, v are rows ``slots`` of the
     cache, row r written at ``input_pos[r]`` ([R, T]) and attending over its slots ``key_pos`` with mask
     [R, 1, T, L].
@@ -112,7 +115,8 @@ def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         o = fused.attention(q, k, v, input_pos, layer.k, layer.v, a.attention_scale)  # capture (models/fused.py)
         if o is not None:
             return o
-    keys, values, ring_mask = attend.update(layer, ring, input_pos, k, v, key_pos)
+    one = isinstance(k.shape[2], int) and k.shape[2] == 1  # decode: the live prefix read as a view (full.live)
+    keys, values, ring_mask = attend.update(layer, ring, input_pos, k, v, key_pos, view=one)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask if ring_mask is None else ring_mask,
                                           scale=a.attention_scale, enable_gqa=True)  # [B, H, T, D]
 
