@@ -31,8 +31,9 @@ def live(cache: torch.Tensor, key_pos: torch.Tensor | None, view: bool) -> torch
     is contiguous exactly when L == S, which torch.export turns into the guard L != S unless the program is
     captured size-obliviously (``capture.export._size_oblivious``: one-token programs of decoders whose
     attention is SDPA in ``llama.cached_attention``; with T symbolic, or a matmul reading the view, other
-    guards appear). SmolLM2 Q4_1 decode, view vs gather (stop 46): 141 -> 150 tokens/s at positions 37-101,
-    115 -> 129 at 300-364."""
+    guards appear). SmolLM2 decode, gather -> view, artifacts alternated (stop 46, 64 tokens after a prompt of
+    37 / 300 / 900): Q4_1 110 -> 121 / 118 -> 122 / 33 -> 75 tokens/s, fp32 50.5 -> 52.1 / 45.4 -> 46.0 /
+    28.3 -> 41.7 (the gather's copy grew costly with L)."""
     if key_pos is None:
         return cache
     if view:
