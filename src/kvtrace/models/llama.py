@@ -97,11 +97,10 @@ def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     all S slots with ``mask`` [T, S], or (``key_pos [L]``, the live prefix) over those L slots with mask [T, L];
     a ring (``ring``: a SLIDING layer, S = window) over the ring plus the new keys with its own mask.
     In one-token calls the live prefix is a view of the cache's first L slots (``cache.full.live``, no copy),
-    gathered otherwise. Measured on SmolLM2
-    fp32 (decode tokens/s at position 32 / 300 / 900, stop 26): a gather (a copy of L slots) 47.0 / 42.6 / 35.7;
-    one SDPA per KV head over per-head slices 43.7 / 40.1 / 36.6; all max_seq_len slots with a mask
-    37.0 / - / 37.7; the view against the gather: see ``cache.full.live`` (33 -> 75 tokens/s for Q4_1 after
-    900 positions).
+    gathered otherwise. Measured on SmolLM2 fp32 (decode tokens/s at position 32 / 300 / 900, stop 26): a gather
+    (a copy of L slots) 47.0 / 42.6 / 35.7; one SDPA per KV head over per-head slices 43.7 / 40.1 / 36.6; all
+    max_seq_len slots with a mask 37.0 / - / 37.7; the view against the gather: see ``cache.full.live``
+    (33 -> 75 tokens/s for Q4_1 after 900 positions).
     ``slots [R]`` (a slots program; full layers, K/V in the model's dtype): q, k, v are rows ``slots`` of the
     cache, row r written at ``input_pos[r]`` ([R, T]) and attending over its slots ``key_pos`` with mask
     [R, 1, T, L].
