@@ -15,7 +15,7 @@ from conftest import tiny_model
 from helpers import package_libraries
 from kvtrace.artifact.export import from_source
 from kvtrace.backends import aoti, one_row, registry
-from kvtrace.models.quant import quantize_decoder
+from kvtrace.models.quant import Int8Linear, quantize_decoder, quantize_int8
 from kvtrace.models.step import LIVE_PROGRAMS
 from kvtrace.spec.quant import parse_quant
 
@@ -56,6 +56,41 @@ def test_linears_over_several_or_symbolic_rows_keep_atens_matmul():
     assert one_row.rewrite(gm) == 0 and _linears(gm) == 2
 
 
+def test_a_reductions_input_row_is_computed_into_a_buffer_first():
+    """The row is passed through ``as_strided`` to its own layout (the same values) before the reduction reads it:
+    Inductor computes it into a buffer once instead of inlining its producer into every output's sum."""
+    model = _Two().eval()
+    gm = torch.export.export(model, (torch.randn(1, 1, 16),)).module()
+    one_row.rewrite(gm)
+    rows = [n.args[0] for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.unsqueeze.default)]
+    assert len(rows) == 2 and all(r.target is torch.ops.aten.as_strided.default for r in rows)
+
+
+class _Int8(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = Int8Linear(*quantize_int8(torch.randn(40, 64)), None)  # [N 40, K 64]
+
+    def forward(self, x):
+        return self.a(torch.relu(x) + 1)
+
+
+def test_a_one_row_int8_matmul_becomes_a_reduction_with_the_kernels_numbers():
+    """``aten._weight_int8pack_mm`` over one static row: a reduction over the int8 weight, float32 accumulation,
+    the output rounded to bf16 as the kernel's; over three rows the kernel stays."""
+    model, x = _Int8().eval(), torch.randn(1, 1, 64)
+    gm = torch.export.export(model, (x,)).module()
+    kernel = torch.ops.aten._weight_int8pack_mm.default
+    assert one_row.rewrite(gm) == 1 and not gm.graph.find_nodes(op="call_function", target=kernel)
+    got, want = gm(x), model(x)
+    assert got.dtype == want.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-3)  # one bf16 rounding of the same fp32 sum apart
+    assert not torch.equal(got, torch.zeros_like(got))
+    gm3 = torch.export.export(model, (torch.randn(1, 3, 64),)).module()
+    assert one_row.rewrite(gm3) == 0 and len(gm3.graph.find_nodes(op="call_function", target=kernel)) == 1
+
+
 @pytest.mark.parametrize(("dtype", "device", "vendor", "expected"), [
     (torch.float32, "cpu", "AuthenticAMD", True), (torch.bfloat16, "cpu", "AuthenticAMD", True),
     (torch.float32, "cpu", "GenuineIntel", False), (torch.float32, "cpu", "", False),
@@ -77,8 +112,12 @@ def test_on_amd_aoti_compiles_decode_on_its_own_unless_its_weights_are_mostly_qu
     assert not registry.get("aoti").one_row_reductions(torch.float32, {"cuda"})
     int8 = from_source(tiny_model("llama"), dtype="float32", max_seq_len=MAX_SEQ_LEN)[0]
     quantize_decoder(int8, parse_quant("int8"))
-    assert one_row.weight_share(int8, lambda m: type(m) is torch.nn.Linear) < 0.5  # nothing for the rewrite to speed up: one program, as before
-    assert [p.served_by for p in registry.get("aoti").program_specs(LIVE_PROGRAMS, int8)] == [None, "prefill"]
+    assert one_row.weight_share(int8, one_row.reducible) > 0.5  # int8 linears: rewritten too, decode on its own
+    assert [p.served_by for p in registry.get("aoti").program_specs(LIVE_PROGRAMS, int8)] == [None, None]
+    int4 = from_source(tiny_model("llama"), dtype="float32", max_seq_len=MAX_SEQ_LEN)[0]
+    quantize_decoder(int4, parse_quant("int4"))  # int4 linears (ATen's kernel either way) and a small int8 head
+    assert one_row.weight_share(int4, one_row.reducible) < aoti.OWN_DECODE_SHARE
+    assert [p.served_by for p in registry.get("aoti").program_specs(LIVE_PROGRAMS, int4)] == [None, "prefill"]
     monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "GenuineIntel")
     assert [p.served_by for p in registry.get("aoti").program_specs(LIVE_PROGRAMS, decoder)] == [None, "prefill"]
 
@@ -99,6 +138,27 @@ def test_an_amd_aoti_artifacts_decode_calls_no_matmul_and_verifies_against_eager
                     [[5, 17, 42, 8, 99, 3, 64], [7, 1]], steps=6)
     assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
     assert len(report.rows) == 2 * 7
+
+
+@pytest.mark.compile
+def test_an_amd_aoti_int8_artifacts_decode_calls_no_int8_kernel_and_verifies_against_the_same_weights(
+        tmp_path, monkeypatch):
+    from kvtrace.tools.runners import EagerRunner, SessionRunner
+    from kvtrace.tools.verify_kv import verify_by_cache
+
+    monkeypatch.setattr(aoti, "_cpu_vendor", lambda: "AuthenticAMD")
+    model = tiny_model("llama")
+    path = kvtrace.export(model, tmp_path / "int8.kvt", max_seq_len=MAX_SEQ_LEN, backend="aoti", quant="int8")
+    art = kvtrace.load(path)
+    assert art.manifest.programs["decode"].served_by is None
+    calls = {name: set(re.findall(rb"aoti_torch_cpu_[a-z0-9_]+", lib))
+             for name, lib in package_libraries(path).items()}
+    kernel = b"aoti_torch_cpu__weight_int8pack_mm"
+    assert kernel in calls["prefill"] and kernel not in calls["decode"], calls["decode"]
+    report = verify_by_cache(model, EagerRunner(model), [SessionRunner(art.session(), "int8")],
+                             ([5, 17, 42, 8, 99, 3, 64], [7, 1]), steps=6)
+    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
+    assert {r.reference for r in report.rows} == {f"decoder-eager-{art.manifest.quant.key}"}
 
 
 @pytest.mark.compile

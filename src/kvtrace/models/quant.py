@@ -179,6 +179,10 @@ class Int8Linear(nn.Module):
     # the row count M: for a T-symbolic M, AMX over weight blocks dequantized to bf16 on the fly; for M = 1, an
     # AVX-512 one. Read by ``backends.aoti_packed.own_decode`` (a decoder mostly of these gets its own decode program).
     one_row_template = True
+    # Unfrozen (aoti) on a CPU where ``backends.one_row.wanted``, a one-row call is rewritten as a reduction over the
+    # int8 weight, the same bf16 rounding of input and output (``one_row.rewrite``), and the decoder gets a decode
+    # program of its own.
+    one_row_reduction = True
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
