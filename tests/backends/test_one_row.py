@@ -91,6 +91,20 @@ def test_a_one_row_int8_matmul_becomes_a_reduction_with_the_kernels_numbers():
     assert one_row.rewrite(gm3) == 0 and len(gm3.graph.find_nodes(op="call_function", target=kernel)) == 1
 
 
+@pytest.mark.compile
+def test_compiled_int8_reduction_keeps_the_kernels_bf16_rounding():
+    """Compiled as artifacts compile it (``exact_casts``: Inductor emulates the casts), the reduction's output is
+    the kernel's bf16-rounded value (Inductor otherwise fuses both bf16 round trips away: float32 all through)."""
+    assert aoti.export_options(False, torch.float32, exact_casts=True)["emulate_precision_casts"] is True
+    model, x = _Int8().eval(), torch.randn(1, 1, 64)
+    gm = torch.export.export(model, (x,)).module()
+    assert one_row.rewrite(gm) == 1
+    with torch.no_grad():
+        got = torch.compile(gm, options={"emulate_precision_casts": True})(x)
+    assert torch.equal(got, got.to(torch.bfloat16).float())  # rounded to bf16 as the kernel's output
+    torch.testing.assert_close(got, model(x), rtol=2 ** -7, atol=1e-3)
+
+
 @pytest.mark.parametrize(("dtype", "device", "vendor", "expected"), [
     (torch.float32, "cpu", "AuthenticAMD", True), (torch.bfloat16, "cpu", "AuthenticAMD", True),
     (torch.float32, "cpu", "GenuineIntel", False), (torch.float32, "cpu", "", False),

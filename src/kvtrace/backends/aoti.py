@@ -168,7 +168,7 @@ def _embed_kernels_option() -> str:
 
 
 def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu", int8_cache: bool = False,
-                   rows: bool = False, quantized: bool = False) -> dict[str, Any]:
+                   rows: bool = False, quantized: bool = False, exact_casts: bool = False) -> dict[str, Any]:
     """What an artifact's programs are compiled with: ``inductor_options`` without Inductor's caches.
 
     ``rows``: the program runs over several cache rows; ``quantized``: over quantized weights (``inductor_options``).
@@ -178,7 +178,12 @@ def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu", i
     (40-token prefill, aoti vs eager, both int8): without it 0.55-0.94 % of the int8 K values and up to 3.75 %
     of the scales differ from eager's, from layer 0 on; with it none in any layer, logits within 1.5e-7. Deeper
     layers of a deep model still see ulp-level differences of their inputs, which flip a rounding now and then
-    (the 30-layer SmolLM2: logits 0.2-0.5 from eager int8; README, int8 KV cache)."""
+    (the 30-layer SmolLM2: logits 0.2-0.5 from eager int8; README, int8 KV cache).
+
+    ``exact_casts`` (a weight-only-quantized program whose one-row int8 matmuls become reductions,
+    ``one_row.rewrite``) adds it too: the kernel takes its input rounded to bf16 and rounds its output, and so does
+    eager's reference, but Inductor, fusing the casts into the reduction, dropped both round trips (float32 all
+    through: a silent difference from what the prefill kernel and the reference compute)."""
     # check_lowerbound off: export specializes sizes 0/1, so T and L get a compiled lower bound of 2 that
     # the runtime input checks (on for artifacts, see CHECK_INPUTS_ENV) would enforce on 1-token prefills.
     # The wrapper (the ~600 KB of C++ that calls the kernels, one per program) at -O0: g++ takes ~40 % less
@@ -188,7 +193,7 @@ def export_options(packed: bool, dtype: torch.dtype, device_type: str = "cpu", i
     opts = {**inductor_options(packed, dtype, device_type, rows, quantized), **EXPORT_NO_CACHE, "aot_inductor.check_lowerbound": False}
     if device_type == "cpu":
         opts["aot_inductor.compile_wrapper_opt_level"] = "O0"
-    if int8_cache:
+    if int8_cache or exact_casts:
         opts["emulate_precision_casts"] = True
     return opts
 
@@ -675,11 +680,15 @@ class AotiBackend(Backend):
 
         from kvtrace.capture.export import _example_args
 
+        device_types = {_example_args(ep)[0].device.type for ep in eps.values()}  # tokens: where captured
+        one_rows = self.one_row_reductions(dtype, device_types)
+
         def options(name: str, ep: torch.export.ExportedProgram, rows: bool) -> dict[str, Any]:
             args = _example_args(ep)  # tokens first: where the program was captured; int8 state: an int8 cache
+            woq = woq_program(ep)
             return {**export_options(self.packs_weights, dtype, args[0].device.type,
                                      int8_cache=any(a.dtype == torch.int8 for a in args), rows=rows,
-                                     quantized=woq_program(ep)),
+                                     quantized=woq, exact_casts=one_rows and woq),
                     "aot_inductor.package": True, "aot_inductor.model_name_for_generated_files": name}
 
         opts = {name: options(name, ep, _rows(ep)) for name, ep in eps.items()}
@@ -688,8 +697,6 @@ class AotiBackend(Backend):
             if {**one, "aot_inductor.model_name_for_generated_files": of} != opts[of]:  # compiled differently
                 eps, opts = {**eps, name: eps[of]}, {**opts, name: one}
         with tempfile.TemporaryDirectory(prefix="kvtrace-export-") as tmp:
-            device_types = {_example_args(ep)[0].device.type for ep in eps.values()}  # tokens: where captured
-            one_rows = self.one_row_reductions(dtype, device_types)
             if len(eps) > 1 and PARALLEL_COMPILE and (os.cpu_count() or 1) > 1 and device_types == {"cpu"}:
                 files = _compile_in_processes(eps, opts, self.no_compile_cache, Path(tmp), one_rows)
             else:  # one after another (CUDA programs too: a child would get the weights on the CPU)

@@ -180,8 +180,8 @@ class Int8Linear(nn.Module):
     # AVX-512 one. Read by ``backends.aoti_packed.own_decode`` (a decoder mostly of these gets its own decode program).
     one_row_template = True
     # Unfrozen (aoti) on a CPU where ``backends.one_row.wanted``, a one-row call is rewritten as a reduction over the
-    # int8 weight, the same bf16 rounding of input and output (``one_row.rewrite``), and the decoder gets a decode
-    # program of its own.
+    # int8 weight (``one_row.rewrite``), the kernel's bf16 rounding of input and output kept (Inductor's
+    # ``emulate_precision_casts``, ``backends.aoti.export_options``), and the decoder gets a decode program of its own.
     one_row_reduction = True
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
