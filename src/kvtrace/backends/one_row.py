@@ -22,8 +22,10 @@ here against 25-26 for the reduction over the int8 weight. Each reduction's inpu
 first (``_materialized``): Inductor otherwise inlined its producer (the layer's RMSNorm, for the first layer
 the embedding lookup too) into the reduction, recomputing it for every output. SmolLM2 decode, ``aoti``,
 alternated in one process (stop 47): fp32 51.8 -> 55.0 tokens/s; int8 weights 65 -> 88 with the int8 rewrite,
-139 with the row materialized; int4 weights (the int8 head rewritten) 124.7 -> 155. ``wanted`` says where: backend ``aoti`` (weights not frozen; ``aoti-packed``'s
-GEMM templates are fast there already), on the CPU, float32 / bfloat16, AMD. On Intel CPUs MKL's GEMV runs
+139 with the row materialized; int4 weights (the int8 head rewritten) 124.7 -> 155.
+
+``wanted`` says where: backend ``aoti`` (weights not frozen; ``aoti-packed``'s GEMM templates are fast there
+already), on the CPU, float32 / bfloat16, AMD. On Intel CPUs MKL's GEMV runs
 near the bandwidth bound (``aoti`` fp32 decode at ~0.97 of it, stop 26) and is kept.
 """
 
