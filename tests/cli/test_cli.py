@@ -95,6 +95,8 @@ def test_run_is_deterministic_with_seed(artifact, capsys):
     main(args)
     b = json.loads(capsys.readouterr().out)["tokens"]
     assert a == b
+    assert main([*args, "--huge-pages"]) == 0  # the weights in huge pages: the same tokens
+    assert json.loads(capsys.readouterr().out)["tokens"] == a
 
 
 def test_run_checks_the_pinned_sha256_before_reading_the_artifact(artifact, capsys):

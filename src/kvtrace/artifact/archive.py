@@ -62,7 +62,7 @@ from typing import Any
 import torch
 
 from kvtrace._errors import ArtifactError, UnsupportedError, UsageError
-from kvtrace.artifact import reader
+from kvtrace.artifact import hugepages, reader
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
 from kvtrace.runtime.chat import Conversation
@@ -82,7 +82,8 @@ class Artifact:
     """A loaded artifact: manifest, weights, tokenizer and the two programs. Make sessions from it."""
 
     def __init__(self, path: Path, manifest: Manifest, programs: dict[str, Callable[..., torch.Tensor]],
-                 tokenizer_json: str | None, keepalive: Any = None, device: torch.device | None = None):
+                 tokenizer_json: str | None, keepalive: Any = None, device: torch.device | None = None,
+                 huge_pages: bool = False):
         self.path = path
         self.manifest = manifest
         self._programs = programs
@@ -90,6 +91,7 @@ class Artifact:
         self._tokenizer: Any = None  # parsed on first use (``tokenizer``)
         self._keepalive = keepalive  # weights / temp dirs the programs reference
         self.device = device if device is not None else torch.device("cpu")  # where weights and programs run
+        self.huge_pages = huge_pages  # program instances made later (``program_set``) collapsed into huge pages
 
     @property
     def cache_spec(self) -> CacheSpec:
@@ -119,8 +121,9 @@ class Artifact:
         Programs that hold their cache (``Backend.holds_state``) are a new instance each time, with its state."""
         m = self.manifest
         # (an in-memory "eager" artifact, artifact.tiered, runs its decoder's own programs: nothing to bind)
-        programs, state = (registry.get(m.backend).bind(self._programs, m) if m.backend in registry.names()
-                           else (self._programs, None))
+        with hugepages.collapsed(self.huge_pages and self.device.type == "cpu"):  # e.g. XNNPACK's packed weights
+            programs, state = (registry.get(m.backend).bind(self._programs, m) if m.backend in registry.names()
+                               else (self._programs, None))
         extra = {n: (spec, programs[n]) for n, spec in m.programs.items() if n not in ("prefill", "decode")}
         return ProgramSet(self.cache_spec, programs["prefill"], programs["decode"], extra=extra,
                           prefill_logits=m.programs["prefill"].logits, key_pos=m.programs["prefill"].key_pos,
@@ -224,7 +227,7 @@ def _check_int4_layout(path: Path, manifest: Manifest) -> None:
 
 
 def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
-         device: str | torch.device | None = None) -> Artifact:
+         device: str | torch.device | None = None, huge_pages: bool = False) -> Artifact:
     """Load an artifact written by ``kvtrace.export``. Imports neither transformers nor pickle.
 
     ``device``: where the weights go (once) and the programs run; None: the device type the programs were
@@ -236,6 +239,10 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
     file is parsed. Use it for every artifact of a native-code backend (``Backend.native_code``: aoti,
     aoti-packed) you did not build yourself: those contain native code, which loading runs. Every check ``load`` makes is listed in this module's
     docstring; each failure raises ``ArtifactError`` (``UsageError`` for a missing path or a directory).
+
+    ``huge_pages``: hold the weights, and what each backend's runtime allocates for its programs, in
+    transparent huge pages (Linux; best effort): faster decode of weights read once per token, slower load
+    (``artifact.hugepages`` has the numbers).
     """
     path = Path(path)
     if expected_sha256 is not None and path.is_file():
@@ -245,9 +252,11 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
     if owner is not None:  # a backend's own format (an ExecuTorch .pte): the manifest is inside it
         if device is not None and resolve_device(device, what="load device").type != "cpu":
             raise UsageError(f"{path} is a {owner.name} program; it runs on the CPU only, got device={str(device)!r}")
-        manifest, programs, tokenizer_json = owner.load_file(path)
-        return Artifact(path, manifest, programs, tokenizer_json)
-    manifest, blobs = reader.read_zip(path)
+        with hugepages.collapsed(huge_pages):
+            manifest, programs, tokenizer_json = owner.load_file(path)
+        return Artifact(path, manifest, programs, tokenizer_json, huge_pages=huge_pages)
+    cpu_weights = device is None or resolve_device(device, what="load device").type == "cpu"  # CUDA: copied off
+    manifest, blobs = reader.read_zip(path, huge_pages=huge_pages and cpu_weights)
     dev = resolve_device(device, default=manifest.device, what="load device")
     if dev.type != manifest.device:
         raise UsageError(f"{path}: its programs were compiled for {manifest.device}, so they cannot run on {dev}; "
@@ -266,7 +275,8 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
     reader.check_signatures(path, manifest)
     keepalive: list[Any] = [weights]
     try:
-        programs = registry.get(manifest.backend).load(path, manifest, blobs, weights, device=dev)
+        with hugepages.collapsed(huge_pages and dev.type == "cpu"):  # what the backend's runtime allocates
+            programs = registry.get(manifest.backend).load(path, manifest, blobs, weights, device=dev)
     except ArtifactError:
         raise
     except Exception as e:
@@ -278,4 +288,4 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
         raise ArtifactError(
             f"{path}: could not load the {manifest.backend} programs ({type(e).__name__}: {clip(str(e), 300)}). {hint}"
         ) from e
-    return Artifact(path, manifest, programs, tokenizer_json, keepalive, device=dev)
+    return Artifact(path, manifest, programs, tokenizer_json, keepalive, device=dev, huge_pages=huge_pages)

@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 import torch
 
 from kvtrace._errors import ArtifactError, UsageError
+from kvtrace.artifact import hugepages
 from kvtrace.backends import registry
 from kvtrace.spec.manifest import (
     MANIFEST,
@@ -116,9 +117,11 @@ def _seek_data(path: Path, f: BinaryIO, info: zipfile.ZipInfo) -> None:
     f.seek(extra_len, 1)
 
 
-def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int) -> tuple[torch.Tensor, str]:
+def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int,
+                 huge_pages: bool = False) -> tuple[torch.Tensor, str]:
     """A stored member's ``size`` bytes (its size in the directory, checked against the manifest) as a uint8
-    tensor placed so that a safetensors data section (the bytes after its header) starts 64-byte aligned, and
+    tensor placed so that a safetensors data section (the bytes after its header) starts 64-byte aligned (in
+    transparent huge pages with ``huge_pages``: ``hugepages.advise`` before the first byte is read), and
     their SHA-256 (which replaces zipfile's CRC check: the manifest's hash is the stronger one). The local
     header is checked as zipfile checks it: signature, name, no encryption, stored (``read_zip`` sends only
     stored weights here)."""
@@ -132,6 +135,8 @@ def _read_stored(path: Path, f: BinaryIO, info: zipfile.ZipInfo, size: int) -> t
     skip = 8 + struct.unpack("<Q", first)[0] if len(first) == 8 else 0
     skip = skip if skip <= size else 0
     buf = torch.empty(size + _ALIGN, dtype=torch.uint8)
+    if huge_pages:
+        hugepages.advise(buf)
     start = -(buf.data_ptr() + skip) % _ALIGN
     out = buf[start : start + size]
     view = memoryview(out.numpy()) if size else memoryview(b"")
@@ -241,9 +246,9 @@ class Member:
         return dest
 
 
-def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes | torch.Tensor | Member]]:
+def read_zip(path: Path, huge_pages: bool = False) -> tuple[Manifest, dict[str, bytes | torch.Tensor | Member]]:
     """The manifest and every member, checked (see the module docstring): the weights member as a uint8
-    tensor (``_read_stored``), a member the backend reads as a file (``Backend.file_members``) as a ``Member``
+    tensor (``_read_stored``; ``huge_pages``: in transparent huge pages), a member the backend reads as a file (``Backend.file_members``) as a ``Member``
     (bounded here, hashed when it is copied out), every other one as bytes."""
     if path.is_dir():
         raise UsageError(f"artifact path {path} is a directory; expected an artifact file written by `kvtrace export`")
@@ -301,7 +306,7 @@ def read_zip(path: Path) -> tuple[Manifest, dict[str, bytes | torch.Tensor | Mem
                     continue
                 if name == WEIGHTS and info.compress_type == zipfile.ZIP_STORED:
                     with path.open("rb") as f:
-                        blob, digest = _read_stored(path, f, info, size)
+                        blob, digest = _read_stored(path, f, info, size, huge_pages)
                 else:
                     blob = _read_member(zf, info, size)  # CRC-checked by zipfile
                     digest = hashlib.sha256(blob).hexdigest()

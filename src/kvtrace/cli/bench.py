@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, device_arg, int_list, kv_dtype_arg, quant_args
+from kvtrace.cli.args import POSITIVE, device_arg, huge_pages_arg, int_list, kv_dtype_arg, quant_args
 from kvtrace.cli.ui import UI, output_file
 
 
@@ -29,7 +29,8 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
 
     ignored = [f for f, on in (("--quant", args.quant != "none"), ("--kv-dtype", args.kv_dtype != "auto"),
                                ("--device", str(args.device) != "cpu"),
-                               ("--cuda-graphs", args.cuda_graphs), ("--plot", args.plot is not None)) if on]
+                               ("--cuda-graphs", args.cuda_graphs), ("--plot", args.plot is not None),
+                               ("--huge-pages", args.huge_pages)) if on]
     if ignored:
         raise UsageError(f"bench --serve measures a CPU slots artifact of unquantized weights and cache; {', '.join(ignored)} "
                          "is not offered with it: drop it")
@@ -71,6 +72,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also measure decode speed against context position and plot it (needs matplotlib)")
     device_arg(p, what="where every backend runs; artifacts are compiled for it (default cpu)")
+    huge_pages_arg(p)
     p.add_argument("--cuda-graphs", action="store_true",
                    help="with --device cuda: also measure each aoti/exported artifact with decode replayed from CUDA "
                         "graphs (a row '<backend>+graphs')")

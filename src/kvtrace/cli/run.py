@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, sampling_args
+from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, huge_pages_arg, sampling_args
 from kvtrace.cli.generate import check_cuda_graphs, encode, generate_text, read_prompt
 from kvtrace.cli.ui import UI
 
@@ -17,7 +17,7 @@ def cmd_run(args: argparse.Namespace, ui: UI) -> int:
 
     prompt = read_prompt(args.prompt)
     with ui.step(f"loading {args.file}"):
-        art = load(args.file, expected_sha256=args.expected_sha256, device=args.device)
+        art = load(args.file, expected_sha256=args.expected_sha256, device=args.device, huge_pages=args.huge_pages)
     check_cuda_graphs(art, args)
     n_prompt = len(encode(art, prompt, args.chat))
     if args.max_len <= n_prompt:
@@ -43,5 +43,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     sampling_args(p)
     device_arg(p, default=None, what="where to run it: the device type it was compiled for (default), or cuda:N")
     cuda_graphs_arg(p)
+    huge_pages_arg(p)
     p.set_defaults(func=cmd_run)
 

@@ -257,6 +257,7 @@ IN_PROCESS: dict[str, Callable[[torch.nn.Module, int], _Stepper]] = {
 
 def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, dtype: str,
           load_session: bool = True, device: torch.device | None = None, cuda_graphs: bool = False,
+          huge_pages: bool = False,
           artifact: Path | None = None, quant: str = "none", quant_opts: dict[str, Any] | None = None,
           kv_dtype: str = "auto") -> _Stepper:
     """The backend ready to run; for artifact backends with ``load_session=False``, only the built file.
@@ -291,7 +292,7 @@ def _make(backend: str, model: torch.nn.Module, source: Any, max_seq_len: int, d
             raise RuntimeError("this artifact is measured in another process")
 
         return _Stepper(unloaded, unloaded, unloaded, artifact=path, workdir=workdir, device=device)
-    sess = load(path, device=device).session(cuda_graphs=cuda_graphs)
+    sess = load(path, device=device, huge_pages=huge_pages).session(cuda_graphs=cuda_graphs)
     return session_stepper(sess, artifact=path, workdir=workdir)
 
 
@@ -341,7 +342,8 @@ def _worker_main() -> None:
     torch.set_num_threads(job["threads"])
     with torch.inference_mode():
         t0 = time.perf_counter()
-        sess = load(job["artifact"], device=job.get("device")).session(cuda_graphs=job.get("cuda_graphs", False))
+        sess = load(job["artifact"], device=job.get("device"), huge_pages=job.get("huge_pages", False)).session(
+            cuda_graphs=job.get("cuda_graphs", False))
         s = session_stepper(sess)
         load_s = time.perf_counter() - t0
         res = _measure(s, torch.tensor(job["ids"]), job["new_tokens"], job["runs"], job["vocab"],
@@ -352,13 +354,14 @@ def _worker_main() -> None:
 
 def _measure_fresh(artifact: Path, ids: torch.Tensor, new_tokens: int, runs: int, vocab: int,
                    sweep: tuple[int, ...], threads: int, device: torch.device | None = None,
-                   cuda_graphs: bool = False) -> dict[str, Any]:
+                   cuda_graphs: bool = False, huge_pages: bool = False) -> dict[str, Any]:
     """``_measure`` of an artifact's Session in a new Python process (nothing compiled in it before)."""
     with tempfile.TemporaryDirectory(prefix="kvtrace-bench-job-") as d:
         job, out = Path(d) / "job.json", Path(d) / "out.json"
         job.write_text(json.dumps({"artifact": str(artifact), "ids": ids.tolist(), "new_tokens": new_tokens,
                                    "runs": runs, "vocab": vocab, "sweep": list(sweep), "threads": threads,
-                                   "device": None if device is None else str(device), "cuda_graphs": cuda_graphs}))
+                                   "device": None if device is None else str(device), "cuda_graphs": cuda_graphs,
+                                   "huge_pages": huge_pages}))
         proc = subprocess.run(
             [sys.executable, "-c", "from kvtrace.tools.bench import _worker_main; _worker_main()", str(job), str(out)],
             capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"},
@@ -487,7 +490,8 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
               max_seq_len: int = 1024, threads: int | None = None, sweep: bool = False,
               fresh_process: bool = True, device: str | torch.device = "cpu", cuda_graphs: bool = False,
               quants: tuple[str, ...] = ("none",), quant_group_size: int | None = None, quant_head: bool = True,
-              kv_dtypes: tuple[str, ...] = ("auto",), progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
+              kv_dtypes: tuple[str, ...] = ("auto",), huge_pages: bool = False,
+              progress: Callable[[str], Any] = lambda s: contextlib.nullcontext()) -> dict[str, Any]:
     """Run every (dtype, prompt length, backend, quantization) and return a JSON-able dict with a ``results``
     list.
 
@@ -566,7 +570,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                             t0 = time.perf_counter()
                             s = _make(b, m, model_source if model is None else None, max_seq_len, dtype,
                                       load_session=not fresh, device=dev, quant=qn, quant_opts=quant_opts,
-                                      kv_dtype=kv)
+                                      kv_dtype=kv, huge_pages=huge_pages)
                             build_s = time.perf_counter() - t0
                     except Exception as e:  # one backend failing must not hide the others' numbers
                         for graphs in graph_rows:
@@ -584,7 +588,8 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
                                 bw_row = [_row_bandwidth(dev, bw)]
                                 if fresh:
                                     got = _measure_fresh(s.artifact, ids, new_tokens, runs, m.config.vocab_size,
-                                                         positions, torch.get_num_threads(), dev, graphs)
+                                                         positions, torch.get_num_threads(), dev, graphs,
+                                                         huge_pages)
                                     r.measured_in = "fresh process"
                                 else:
                                     step = s if not graphs else _make(b, m, None, max_seq_len, dtype, device=dev,
@@ -623,6 +628,7 @@ def run_bench(*, model_source: Any = None, model: torch.nn.Module | None = None,
     return {
         "bandwidth_gb_s": round(bw, 2),
         "threads": threads or torch.get_num_threads(),
+        "huge_pages": huge_pages,
         "torch": torch.__version__,
         "device": str(dev),
         "results": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in results],
@@ -672,6 +678,7 @@ def run_cli_bench(args: Any, ui: Any) -> int:
         sweep=args.plot is not None,
         device=args.device,
         cuda_graphs=args.cuda_graphs,
+        huge_pages=args.huge_pages,
         progress=ui.step,
     )
     if args.plot:
