@@ -252,11 +252,11 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
     if owner is not None:  # a backend's own format (an ExecuTorch .pte): the manifest is inside it
         if device is not None and resolve_device(device, what="load device").type != "cpu":
             raise UsageError(f"{path} is a {owner.name} program; it runs on the CPU only, got device={str(device)!r}")
-        with hugepages.collapsed(huge_pages):
-            manifest, programs, tokenizer_json = owner.load_file(path)
-        return Artifact(path, manifest, programs, tokenizer_json, huge_pages=huge_pages)
-    cpu_weights = device is None or resolve_device(device, what="load device").type == "cpu"  # CUDA: copied off
-    manifest, blobs = reader.read_zip(path, huge_pages=huge_pages and cpu_weights)
+        manifest, programs, tokenizer_json = owner.load_file(path)  # its checking instance is dropped: the
+        return Artifact(path, manifest, programs, tokenizer_json, huge_pages=huge_pages)  # sessions' are collapsed
+    # (weights going to a GPU are read into CPU memory only to be copied off: no huge pages for them)
+    huge_weights = huge_pages and (device is None or resolve_device(device, what="load device").type == "cpu")
+    manifest, blobs = reader.read_zip(path, huge_pages=huge_weights)
     dev = resolve_device(device, default=manifest.device, what="load device")
     if dev.type != manifest.device:
         raise UsageError(f"{path}: its programs were compiled for {manifest.device}, so they cannot run on {dev}; "
