@@ -46,8 +46,7 @@ def test_advise_asks_for_the_aligned_interior_of_an_untouched_buffer():
 @linux
 def test_collapsed_finds_the_mappings_the_block_made_and_only_those():
     with hugepages.collapsed() as r:
-        m = mmap.mmap(-1, 9 * MIB)  # anonymous, read-write: a runtime's buffer
-        m.write(b"x" * (9 * MIB))
+        m = _private(9 * MIB, b"x")  # a runtime's buffer (a malloc too large for its heap)
     lo, hi = hugepages._inner(*_span_of(m))
     assert r.bytes_asked >= hi - lo >= 6 * MIB
     assert m[:1] == b"x" and m[-1:] == b"x"  # contents kept
@@ -57,11 +56,20 @@ def test_collapsed_finds_the_mappings_the_block_made_and_only_those():
         pass
     assert again.bytes_asked == 0
     with hugepages.collapsed(enabled=False) as off:
-        m2 = mmap.mmap(-1, 9 * MIB)
-        m2.write(b"y" * (9 * MIB))
+        m2 = _private(9 * MIB, b"y")
     assert off.bytes_asked == 0
     m.close()
     m2.close()
+
+
+def _private(n: int, fill: bytes) -> mmap.mmap:
+    """An anonymous private read-write mapping of ``n`` bytes, filled in place (Python's default mmap is shared,
+    which /proc/self/maps lists as /dev/zero: shared memory, not what runtimes allocate)."""
+    import ctypes
+
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    ctypes.memset(_span_of(m)[0], fill[0], n)
+    return m
 
 
 def _span_of(m: mmap.mmap) -> tuple[int, int]:
