@@ -252,8 +252,9 @@ def load(path: str | os.PathLike[str], *, expected_sha256: str | None = None,
     if owner is not None:  # a backend's own format (an ExecuTorch .pte): the manifest is inside it
         if device is not None and resolve_device(device, what="load device").type != "cpu":
             raise UsageError(f"{path} is a {owner.name} program; it runs on the CPU only, got device={str(device)!r}")
-        manifest, programs, tokenizer_json = owner.load_file(path)  # its checking instance is dropped: the
-        return Artifact(path, manifest, programs, tokenizer_json, huge_pages=huge_pages)  # sessions' are collapsed
+        # (huge pages: not for load_file's checking instance, dropped at once; each session's, in program_set)
+        manifest, programs, tokenizer_json = owner.load_file(path)
+        return Artifact(path, manifest, programs, tokenizer_json, huge_pages=huge_pages)
     # (weights going to a GPU are read into CPU memory only to be copied off: no huge pages for them)
     huge_weights = huge_pages and (device is None or resolve_device(device, what="load device").type == "cpu")
     manifest, blobs = reader.read_zip(path, huge_pages=huge_weights)

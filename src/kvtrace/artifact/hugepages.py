@@ -13,10 +13,10 @@ best effort (another OS, an older kernel, THP off: nothing changes and the weigh
 
 Measured on this project's 2-vCPU Firecracker VMs (SmolLM2-135M, 2 threads, 64 greedy tokens after a
 37-token prompt, plain and huge-page instances alternated in one process, stop 48): float32 ``aoti`` decode
-53.9-56.0 -> 58.7-60.4 tokens/s, the float32 ``.pte`` 53.4-55.4 -> 58.1-59.0; int4 ``aoti`` +2 %, the 8da4w
+53.9-56.0 -> 58.7-60.4 tokens/s, the float32 ``.pte`` 55.8-56.9 -> 58.7-60.0; int4 ``aoti`` +2 %, the 8da4w
 ``.pte`` none (its 4-bit GEMMs are compute-bound there). The price is load time: a huge page's first touch
 is slow on those VMs (guest memory backed lazily by the host), the aoti float32 load 0.44 -> 0.9-1.4 s and a
-``.pte`` session's collapse 1.9 s for its 785 MiB. Hence off by default: worth it for long generations and
+``.pte`` session's collapse 0.4-2 s for its ~600 MiB. Hence off by default: worth it for long generations and
 servers, not for a one-shot short answer.
 """
 
