@@ -90,7 +90,7 @@ def test_swap_refuses_programs_of_another_cache_and_leaves_the_session_as_it_was
 
 
 def test_tiered_start_answers_eagerly_then_switches_and_caches_the_artifact(hf_dir, compiled):
-    tier = tiered.start(str(hf_dir), **OPTS)
+    tier = tiered.start(str(hf_dir), **OPTS, huge_pages=True)
     with tier:
         assert tier.build is not None and tier.artifact.manifest.backend == "eager" and not tier.compiled
         s = tier.artifact.session()
@@ -101,6 +101,7 @@ def test_tiered_start_answers_eagerly_then_switches_and_caches_the_artifact(hf_d
 
         got = _greedy(s, 12, 5, swap)
         assert swapped == [True] and tier.compiled and s.label == "exported"
+        assert tier.artifact.huge_pages  # the built artifact loaded as asked (weights in huge pages)
         assert tier.error is None and tier.build.seconds > 0
         assert got == _greedy(compiled.session(), 12)
         assert tier.build.path == entry_path(resolve_source(str(hf_dir)), **OPTS)
@@ -112,6 +113,7 @@ def test_tiered_start_answers_eagerly_then_switches_and_caches_the_artifact(hf_d
         assert [tier.poll(s) for _ in range(3)] == [False] * 3 and built == []
     again = tiered.start(str(hf_dir), **OPTS)  # the next run: a cache hit, nothing built
     assert again.build is None and again.compiled and again.artifact.path == tier.build.path
+    assert not again.artifact.huge_pages and tiered.start(str(hf_dir), **OPTS, huge_pages=True).artifact.huge_pages
 
 
 def test_a_failed_background_build_leaves_the_session_on_the_eager_programs(hf_dir):

@@ -99,6 +99,39 @@ def test_run_is_deterministic_with_seed(artifact, capsys):
     assert json.loads(capsys.readouterr().out)["tokens"] == a
 
 
+def test_huge_pages_reaches_the_loads_of_generate_chat_and_serve(hf_dir, artifact, monkeypatch, capsys):
+    """--huge-pages is passed to every load the command makes (the artifact remembers it: its sessions' program
+    instances are collapsed into huge pages too); without it, none asks."""
+    import argparse
+    import io
+
+    from kvtrace.artifact import archive
+    from kvtrace.cli.serve import load_served
+    from kvtrace.cli.ui import UI
+
+    real, asked = archive.load, []
+
+    def spy(*a, **kw):
+        art = real(*a, **kw)
+        asked.append(art.huge_pages)
+        return art
+
+    monkeypatch.setattr(archive, "load", spy)
+    gen = ["generate", "hello", "--model", str(hf_dir), "--backend", "exported", "--max-seq-len", "32",
+           "--max-new-tokens", "2", "--json"]
+    assert main([*gen, "--no-tiered", "--huge-pages"]) == 0  # built, then loaded
+    assert main([*gen, "--huge-pages"]) == 0  # tiered start, a cache hit
+    assert main(gen) == 0
+    assert asked == [True, True, False]
+    asked.clear()
+    monkeypatch.setattr("sys.stdin", io.StringIO(json.dumps({"content": "hello"}) + "\n"))
+    assert main(["chat", str(artifact), "--json", "--max-new-tokens", "2", "--huge-pages"]) == 0
+    capsys.readouterr()
+    served = argparse.Namespace(model=str(artifact), expected_sha256=None, parallel=None, huge_pages=True)
+    assert load_served(served, UI(quiet=True, json_mode=False)).huge_pages
+    assert asked == [True, True]
+
+
 def test_run_checks_the_pinned_sha256_before_reading_the_artifact(artifact, capsys):
     import hashlib
 

@@ -145,7 +145,7 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
                     load: bool = False, notice: Callable[[str], None] | None = None,
                     kv_dtype: str | None = None, device: str = "cpu", quant: str | None = None,
                     quant_group_size: int | None = None, quant_head: bool = True, slots: int | None = None,
-                    build: bool = True) -> BuildResult | None:
+                    build: bool = True, huge_pages: bool = False) -> BuildResult | None:
     """The artifact for ``source`` with these options, exporting it on a cache miss. Its prefill returns
     the last position's logits by default (what a generation samples from; see ``export``); ``kv_dtype``
     ("int8") asks for a quantized KV cache, ``quant`` (``export``'s) for quantized weights, ``device`` ("cuda")
@@ -154,7 +154,8 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
 
     ``load=True`` also loads it (``BuildResult.artifact``): a cached entry that ``kvtrace.load``
     refuses is then deleted and rebuilt, and ``notice`` (if given) gets one line saying so. A freshly
-    built artifact that does not load raises its ArtifactError and is not kept.
+    built artifact that does not load raises its ArtifactError and is not kept. ``huge_pages``: loaded as
+    ``kvtrace.load(..., huge_pages=True)`` loads it (its weights in transparent huge pages).
 
     ``build=False`` looks only: None on a miss (a refused entry is deleted, so that a build rebuilds it).
     """
@@ -182,7 +183,7 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
         if not load:
             return BuildResult(path, True, 0.0)
         try:
-            return BuildResult(path, True, 0.0, load_artifact(path, device=dev))
+            return BuildResult(path, True, 0.0, load_artifact(path, device=dev, huge_pages=huge_pages))
         except ArtifactError as e:
             refused = stamp
             if notice is not None:
@@ -214,7 +215,7 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
         art = None
         if load:
             try:
-                art = load_artifact(path, device=dev)
+                art = load_artifact(path, device=dev, huge_pages=huge_pages)
             except ArtifactError:
                 path.unlink(missing_ok=True)  # never cache what does not load
                 raise

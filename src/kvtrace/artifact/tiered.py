@@ -168,10 +168,11 @@ class Tiered:
     """An artifact to start sessions on now (``artifact``: eager programs, or the cached artifact on a hit)
     and, on a miss, the background build that ``poll`` swaps in when it lands."""
 
-    def __init__(self, artifact: Any, build: BackgroundBuild | None, backend: str):
+    def __init__(self, artifact: Any, build: BackgroundBuild | None, backend: str, huge_pages: bool = False):
         self.artifact = artifact  # kvtrace Artifact: eager (manifest.backend "eager") until the compiled one loads
         self.build = build
         self.backend = backend
+        self.huge_pages = huge_pages  # the built artifact loaded with its weights in huge pages
         self.error: str | None = None  # why the compiled programs never arrived
         self._loading: threading.Thread | None = None
         self._loaded: Any = None
@@ -230,7 +231,7 @@ class Tiered:
         from kvtrace.artifact.archive import load
 
         try:
-            self._loaded = load(path)
+            self._loaded = load(path, huge_pages=self.huge_pages)
         except KvtraceError as e:
             self._load_error = f"the {self.backend} artifact built in the background does not load: {e}"
 
@@ -261,11 +262,12 @@ def start(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "f
           prefill_logits: str = "last", kv_dtype: str | None = None, quant: str | None = None,
           quant_group_size: int | None = None, quant_head: bool = True,
           progress: Callable[[str], contextlib.AbstractContextManager[Any]] | None = None,
-          notice: Callable[[str], None] | None = None, nice: int = NICE) -> Tiered:
+          notice: Callable[[str], None] | None = None, nice: int = NICE, huge_pages: bool = False) -> Tiered:
     """The cached artifact (a hit: ``Tiered.build`` None), else the eager programs of the model with the
     artifact's build started in the background (CPU). ``progress``/``notice`` as ``cached_artifact`` takes them;
     ``quant``: quantized weights, the eager programs computing with the same quantized modules (for GGUF blocks,
-    the plain decoder over their dequantized values: the same numbers)."""
+    the plain decoder over their dequantized values: the same numbers); ``huge_pages``: the compiled artifact
+    (a hit, or the build's once it lands) loaded with its weights in transparent huge pages (``kvtrace.load``)."""
     from kvtrace.artifact.export import DTYPES, backend_quant
     from kvtrace.artifact.store import cached_artifact
     from kvtrace.backends import registry
@@ -281,9 +283,9 @@ def start(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "f
     src = resolve_source(source)
     found = cached_artifact(source, backend=backend, max_seq_len=max_seq_len, dtype=dtype, batch_size=batch_size,
                             prefill_logits=prefill_logits, load=True, notice=notice, kv_dtype=kv_dtype, build=False,
-                            quant=quant, quant_group_size=quant_group_size, quant_head=quant_head)
+                            quant=quant, quant_group_size=quant_group_size, quant_head=quant_head, huge_pages=huge_pages)
     if found is not None:
-        return Tiered(found.artifact, None, backend)
+        return Tiered(found.artifact, None, backend, huge_pages)
     # GGUF blocks compute with exactly the dequantized weights the plain decoder holds (gguf's dequantize, bit for
     # bit), so the plain decoder answers meanwhile: GGUFLinear is written for Inductor to fuse, and run eagerly it
     # took 9.1 s to prefill SmolLM2's 37-token prompt and decoded at 0.1 tokens/s beside the build
@@ -295,7 +297,7 @@ def start(source: str | None, *, backend: str, max_seq_len: int, dtype: str = "f
     build = BackgroundBuild(BuildRequest(source, backend, max_seq_len, dtype, batch_size, prefill_logits, kv_dtype,
                                          quant, quant_group_size, quant_head),
                             nice=nice)
-    return Tiered(art, build, backend)
+    return Tiered(art, build, backend, huge_pages)
 
 
 def eager_artifact(source: Any, *, max_seq_len: int, dtype: str = "float32", batch_size: int = 1,

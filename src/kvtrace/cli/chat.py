@@ -15,7 +15,16 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace._errors import KvtraceError, UsageError
-from kvtrace.cli.args import POSITIVE, SEED, backend_arg, probability, quant_args, temperature, tiered_arg
+from kvtrace.cli.args import (
+    POSITIVE,
+    SEED,
+    backend_arg,
+    huge_pages_arg,
+    probability,
+    quant_args,
+    temperature,
+    tiered_arg,
+)
 from kvtrace.cli.ui import UI
 
 HELP = ("/reset  start over    /undo  forget the last turn    /save FILE  /load FILE  the conversation and its "
@@ -30,7 +39,7 @@ def _open(args: argparse.Namespace, ui: UI) -> tuple[Any, Any]:
 
     if args.model is not None and Path(args.model).is_file() and Path(args.model).suffix in (".kvt", ".pte"):
         with ui.step(f"loading {args.model}"):
-            return load(args.model), None
+            return load(args.model, huge_pages=args.huge_pages), None
     art, tier, _ = open_model(args, ui)
     return art, tier
 
@@ -189,4 +198,5 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--top-k", type=POSITIVE, default=None)
     p.add_argument("--top-p", type=probability, default=None, help="in (0, 1]")
     p.add_argument("--seed", type=SEED, default=None)
+    huge_pages_arg(p)
     p.set_defaults(func=cmd_chat)

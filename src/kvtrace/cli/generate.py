@@ -18,6 +18,7 @@ from kvtrace.cli.args import (
     chosen_quant,
     cuda_graphs_arg,
     device_arg,
+    huge_pages_arg,
     kv_dtype_arg,
     quant_args,
     sampling_args,
@@ -160,19 +161,20 @@ def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) ->
     args.quant = chosen_quant(args)  # "auto" resolved against the source and the other options
     args.backend = chosen_backend(args)
     quant = {k: getattr(args, k) for k in ("quant", "quant_group_size", "quant_head") if hasattr(args, k)}
+    huge_pages = getattr(args, "huge_pages", False)
 
     # the tiered start runs eager programs on the CPU and hands their cache to the compiled ones (copied into
     # an ExecuTorch program's own buffers): a GPU artifact (--device cuda) is built first
     if not args.tiered or str(device) != "cpu":
         built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
                                 progress=ui.step, load=True, notice=ui.notice, kv_dtype=kv_dtype, device=device,
-                                **quant)
+                                huge_pages=huge_pages, **quant)
         ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
         return built.artifact, None, built.seconds
     from kvtrace.artifact import tiered
 
     tier = tiered.start(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                        progress=ui.step, notice=ui.notice, kv_dtype=kv_dtype, **quant)
+                        progress=ui.step, notice=ui.notice, kv_dtype=kv_dtype, huge_pages=huge_pages, **quant)
     if tier.build is None:
         ui.info(f"[dim]cache hit: {tier.artifact.path}[/dim]")
     else:
@@ -247,5 +249,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     sampling_args(p)
     device_arg(p)
     cuda_graphs_arg(p)
+    huge_pages_arg(p)
     p.set_defaults(func=cmd_generate)
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, int_in
+from kvtrace.cli.args import POSITIVE, huge_pages_arg, int_in
 from kvtrace.cli.ui import UI
 from kvtrace.serve import SERVE_BACKEND
 
@@ -25,7 +25,7 @@ def load_served(args: argparse.Namespace, ui: UI) -> Any:
         from kvtrace.artifact.archive import load
 
         with ui.step(f"loading {path}"):
-            art = load(path, expected_sha256=args.expected_sha256)
+            art = load(path, expected_sha256=args.expected_sha256, huge_pages=args.huge_pages)
         slots = art.cache_spec.batch_size if art.manifest.programs["prefill"].slots else 1
         if args.parallel is not None and args.parallel != slots:
             raise UsageError(f"{path} holds {slots} conversation slot(s), --parallel asks for {args.parallel}: export "
@@ -38,7 +38,7 @@ def load_served(args: argparse.Namespace, ui: UI) -> Any:
     parallel = args.parallel or DEFAULT_PARALLEL
     built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len or 1024,
                             dtype=args.dtype, slots=parallel if parallel > 1 else None, progress=ui.step, load=True,
-                            notice=ui.notice)
+                            notice=ui.notice, huge_pages=args.huge_pages)
     ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
     return built.artifact
 
@@ -96,4 +96,5 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="for a model source")
     p.add_argument("--expected-sha256", default=None, metavar="HEX",
                    help="refuse the artifact unless the whole file has this SHA-256")
+    huge_pages_arg(p)
     p.set_defaults(func=cmd_serve)
