@@ -51,14 +51,22 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     """Add ``kvtrace bench`` to the parser (``add(name, help)`` makes the subparser)."""
     p = add("bench", "Prefill ms, decode tokens/s, peak memory and recompiles, per backend, side by side.",
             json_flag=False)
-    p.add_argument("--model", default=None)
-    p.add_argument("--backends", default="hf-eager,exported,aoti")
-    p.add_argument("--prompt-len", type=int_list, default="37")
-    p.add_argument("--new-tokens", type=POSITIVE, default=128)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=POSITIVE, default=None)
-    p.add_argument("--runs", type=POSITIVE, default=3)
-    p.add_argument("--max-seq-len", type=POSITIVE, default=1024)
+    from kvtrace.backends import registry
+
+    p.add_argument("--model", default=None,
+                   help="smollm2-135m-instruct (default), a HF model dir, or a GGUF file")
+    p.add_argument("--backends", default="hf-eager,exported,aoti", metavar="LIST",
+                   help="comma list, one row each: hf-eager (the yardstick), hf-compile, jit, or an artifact backend "
+                        f"({', '.join(sorted(registry.names()))}; each exported, then measured in a fresh process)")
+    p.add_argument("--prompt-len", type=int_list, default="37", metavar="LIST",
+                   help="comma list of prompt lengths in tokens, one row each (default 37)")
+    p.add_argument("--new-tokens", type=POSITIVE, default=128, help="tokens decoded after the prompt (default 128)")
+    p.add_argument("--dtype", default="float32", metavar="LIST",
+                   help="comma list of float32, bfloat16: one row per choice (default float32)")
+    p.add_argument("--threads", type=POSITIVE, default=None,
+                   help="CPU threads for every row (default: torch's, one per core)")
+    p.add_argument("--runs", type=POSITIVE, default=3, help="generations per row; the median is reported (default 3)")
+    p.add_argument("--max-seq-len", type=POSITIVE, default=1024, help="the artifacts' cache length (default 1024)")
     quant_args(p, many=True)
     kv_dtype_arg(p, many=True)
     p.add_argument("--serve", action="store_true",
