@@ -43,11 +43,12 @@ def tiny(tmp_path_factory) -> Tiny:
     return Tiny((d / "case.kvt", path.read_bytes(), manifest))
 
 
-def attempt(scratch: Path, data: bytes) -> str:
-    """Load ``data`` and prefill three tokens; only KvtraceError may come out."""
+def attempt(scratch: Path, data: bytes, huge_pages: bool = False) -> str:
+    """Load ``data`` (the weights in huge pages with ``huge_pages``) and prefill three tokens; only KvtraceError
+    may come out."""
     scratch.write_bytes(data)
     try:
-        art = kvtrace.load(scratch)
+        art = kvtrace.load(scratch, huge_pages=huge_pages)
         art.session().prefill(torch.tensor([[1, 2, 3]]))
     except KvtraceError as e:
         assert "\n" not in str(e), f"a multi-line error message: {e!r}"
@@ -115,7 +116,8 @@ def test_fuzzed_bytes_raise_only_kvtrace_errors(tiny, data):
         buf[i] = b
     if data.draw(st.booleans(), label="truncate"):
         buf = buf[: data.draw(st.integers(0, n - 1), label="length")]
-    attempt(scratch, bytes(buf))  # a flip in a timestamp may still load: only the error type is asserted
+    huge = data.draw(st.booleans(), label="huge_pages")  # the weights read into an advised buffer (artifact.hugepages)
+    attempt(scratch, bytes(buf), huge)  # a flip in a timestamp may still load: only the error type is asserted
 
 
 @FUZZ
@@ -126,7 +128,7 @@ def test_fuzzed_manifest_fields_raise_only_kvtrace_errors(tiny, data):
     how = data.draw(st.sampled_from(["set", "nudge", "delete"]), label="how")
     value = data.draw(st.integers(-2, 16) if how == "nudge" else JSON, label="value")
     mutated = _mutate(manifest, path, how, value)
-    attempt(scratch, with_manifest(blob, json.dumps(mutated), scratch))
+    attempt(scratch, with_manifest(blob, json.dumps(mutated), scratch), data.draw(st.booleans(), label="huge_pages"))
 
 
 @FUZZ
