@@ -29,8 +29,7 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
 
     ignored = [f for f, on in (("--quant", args.quant != "none"), ("--kv-dtype", args.kv_dtype != "auto"),
                                ("--device", str(args.device) != "cpu"),
-                               ("--cuda-graphs", args.cuda_graphs), ("--plot", args.plot is not None),
-                               ("--huge-pages", args.huge_pages)) if on]
+                               ("--cuda-graphs", args.cuda_graphs), ("--plot", args.plot is not None)) if on]
     if ignored:
         raise UsageError(f"bench --serve measures a CPU slots artifact of unquantized weights and cache; {', '.join(ignored)} "
                          "is not offered with it: drop it")
@@ -40,7 +39,8 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
     with output_file(args.json, "--json"):
         data = run_serve_bench(args.model, clients=clients, requests_per_client=args.requests, new_tokens=args.new_tokens,
                                max_seq_len=args.max_seq_len, backend=backend, baseline_runs=args.runs,
-                               check=not args.no_check, threads=args.threads, progress=ui.step)
+                               check=not args.no_check, threads=args.threads, huge_pages=args.huge_pages,
+                               progress=ui.step)
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=2))
     ui.out.print(render_markdown(data), markup=False, highlight=False, soft_wrap=True)

@@ -184,12 +184,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600)
     raise UsageError(f"the server did not answer {url}/health within {timeout:.0f}s")
 
 
-def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[str, str]) -> list[float]:
-    """``kvtrace run`` decode tokens/s, one fresh process per run."""
+def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[str, str],
+                  extra: Sequence[str] = ()) -> list[float]:
+    """``kvtrace run`` decode tokens/s, one fresh process per run (``extra``: more of its flags)."""
     out = []
     for _ in range(runs):
         proc = subprocess.run([sys.executable, "-m", "kvtrace.cli", "run", str(path), "--prompt", prompt,
-                               "--max-len", str(max_len), "--json", "--quiet"], capture_output=True, text=True,
+                               "--max-len", str(max_len), "--json", "--quiet", *extra], capture_output=True, text=True,
                               check=False, env=env)
         if proc.returncode != 0:
             raise UsageError(f"kvtrace run failed: {proc.stderr.strip()[-300:]}")
@@ -199,10 +200,11 @@ def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[st
 
 def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2, 4, 8), requests_per_client: int = 2,
                     new_tokens: int = 128, max_seq_len: int = 1024, backend: str = SERVE_BACKEND, baseline_runs: int = 3,
-                    check: bool = True, threads: int | None = None,
+                    check: bool = True, threads: int | None = None, huge_pages: bool = False,
                     progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Measure ``kvtrace serve`` (see the module docstring); returns a JSON-able dict with ``levels``.
-    ``threads``: torch threads of the server and baseline processes (OMP_NUM_THREADS; None: torch's default)."""
+    ``threads``: torch threads of the server and baseline processes (OMP_NUM_THREADS; None: torch's default);
+    ``huge_pages``: both load the artifact with ``--huge-pages``."""
     import contextlib
 
     import torch
@@ -216,16 +218,17 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
         served = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, slots=slots if slots > 1 else None,
                                  progress=None)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({} if threads is None else {"OMP_NUM_THREADS": str(threads)})}
+    extra = ["--huge-pages"] if huge_pages else []
     def baseline() -> list[float]:
         return _run_baseline(plain.path, PROMPTS[0], max_len=min(max_seq_len, 64 + new_tokens), runs=baseline_runs,
-                             env=env)
+                             env=env, extra=extra)
 
     with progress(f"baseline: kvtrace run x{baseline_runs} (fresh processes)"):
         base = baseline()
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "kvtrace.cli", "serve", str(served.path), "--port", str(port),
-                             "--quiet", "--queue", str(4 * slots)], env=env, stdout=subprocess.DEVNULL,
+                             "--quiet", "--queue", str(4 * slots), *extra], env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     levels: list[LevelResult] = []
     try:
@@ -269,7 +272,7 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
     return {
         "model": model or "smollm2-135m-instruct", "backend": backend, "slots": slots, "new_tokens": new_tokens,
         "requests_per_client": requests_per_client, "max_seq_len": max_seq_len,
-        "threads": threads if threads is not None else torch.get_num_threads(),
+        "threads": threads if threads is not None else torch.get_num_threads(), "huge_pages": huge_pages,
         "kvtrace_run_decode_tok_s": round(baseline, 2), "kvtrace_run_runs": [round(b, 2) for b in base],
         "single_client_decode_vs_run": round(levels[0].decode_tok_s_p50 / baseline, 3) if levels and baseline else None,
         "checked_against_solo": check,
