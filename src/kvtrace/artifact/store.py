@@ -154,8 +154,8 @@ def cached_artifact(source: str | None, *, backend: str, max_seq_len: int, dtype
 
     ``load=True`` also loads it (``BuildResult.artifact``): a cached entry that ``kvtrace.load``
     refuses is then deleted and rebuilt, and ``notice`` (if given) gets one line saying so. A freshly
-    built artifact that does not load raises its ArtifactError and is not kept. ``huge_pages``: loaded as
-    ``kvtrace.load(..., huge_pages=True)`` loads it (its weights in transparent huge pages).
+    built artifact that does not load raises its ArtifactError and is not kept. ``huge_pages``: its weights
+    loaded into transparent huge pages (``kvtrace.load(..., huge_pages=True)``).
 
     ``build=False`` looks only: None on a miss (a refused entry is deleted, so that a build rebuilds it).
     """
