@@ -153,8 +153,10 @@ def test_quant_auto_keeps_blocks_only_for_a_gguf_stored_mostly_as_kept_blocks(hf
         return chosen_quant(argparse.Namespace(model=str(model), quant="auto", backend=None, dtype="float32"))
 
     assert (auto(q41), auto(f16), auto(mixed), auto(hf_dir)) == ("gguf", "none", "none", "none")
-    qwen = write_gguf(tmp_path / "qwen2.gguf", "qwen2", qtype="Q4_1")  # blocks, but GGUF-native is tested on llama
-    assert kept_share(qwen) > 0.95 and auto(qwen) == "none"
+    for arch in ("qwen2", "qwen3", "phi3"):  # the other families whose GGUF-native programs verify (test_quant.py)
+        other = write_gguf(tmp_path / f"{arch}.gguf", arch, qtype="Q4_1")
+        assert kept_share(other) > 0.95 and auto(other) == "gguf", arch
+    assert auto(write_gguf(tmp_path / "qwen2-f16.gguf", "qwen2", qtype="F16")) == "none"
 
 
 def test_kept_type_ids_are_the_gguf_packages():

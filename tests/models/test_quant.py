@@ -212,6 +212,36 @@ def test_gguf_native_export_verifies_exactly_against_the_dequantized_gguf(kind, 
     assert not report.floors and s["noise_floor"] is None  # float32 blocks, no rounding step: no noise floor
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+def test_gguf_native_export_verifies_exactly_for_the_other_gguf_families(arch, tmp_path):
+    """Qwen2 (q/k/v biases), Qwen3 (q/k norms, head_dim 128) and Phi-3 (fused q/k/v and gate/up) GGUFs keep their
+    blocks too, with the same numbers as eager over the dequantized weights (``--quant auto`` picks them)."""
+    from kvtrace.sources.load import load_model
+
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, qtype="Q4_1", embd_qtype="Q8_0")
+    art = _export(str(path), tmp_path / "g.kvt", "gguf")
+    qs = art.manifest.quant
+    assert set(qs.tensors.values()) == {"q4_1", "q8_0", "tied:tok_embeddings"} and not qs.dequantized
+    model = load_model(path).model
+    report = _verify(model, ("gguf", art), prompts=GGUF_PROMPTS)
+    assert report.passed, [r.failure for r in report.rows if not r.passed]
+    (s,) = report.summary()
+    assert s["logits_max_abs"] < 1e-4 and s["tokens_agree"] == s["steps"]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])
+def test_gguf_native_aoti_artifacts_of_the_other_families_verify(arch, tmp_path):
+    from kvtrace.sources.load import load_model
+
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, qtype="Q4_1")
+    art = _export(str(path), tmp_path / "g.kvt", "gguf", "aoti")
+    report = _verify(load_model(path).model, ("aoti", art), prompts=GGUF_PROMPTS)
+    assert report.passed, [f"p{r.prompt}/{r.step}: {r.failure}" for r in report.rows if not r.passed]
+    (s,) = report.summary()
+    assert s["tokens_agree"] == s["steps"]
+
+
 # --- planted faults -----------------------------------------------------------------------------------
 def test_planted_wrong_group_size_fails_verify(llama, exported, tmp_path, monkeypatch):
     """The artifact quantizes and packs groups of 64 while recording 32: verify (reference rebuilt from the

@@ -91,8 +91,8 @@ QUANT_HELP = ("weights: none (default) = the model's dtype; int8 = int8 per outp
               "decoders)")
 
 
-QUANT_AUTO_HELP = ("auto (default) = gguf for a Llama GGUF source stored mostly (>= half its matrix weights) as Q4_0 / "
-                   "Q4_1 / Q8_0 blocks, in float32 on the CPU with a backend that takes them (aoti, exported): the "
+QUANT_AUTO_HELP = ("auto (default) = gguf for a Llama / Qwen2 / Qwen3 / Phi-3 GGUF source stored mostly (>= half "
+                   "its matrix weights) as Q4_0 / Q4_1 / Q8_0 blocks, in float32 on the CPU with a backend that takes them (aoti, exported): the "
                    "same numbers as its float32 weights, a fraction of the bytes a token reads; none otherwise")
 
 
@@ -146,12 +146,14 @@ def backend_arg(p: argparse.ArgumentParser) -> None:
 
 
 GGUF_AUTO_SHARE = 0.5  # --quant auto keeps a GGUF's blocks when at least this share of its matrix weights are kept
-GGUF_AUTO_ARCHS = ("llama",)  # where GGUF-native programs are tested end to end (others: --quant gguf, by hand)
+# the GGUF architectures whose GGUF-native programs are verified end to end (tests/models/test_quant.py): every one
+# kvtrace reads but "mistral" (the gguf package cannot read its tensors; llama.cpp labels Mistral models "llama")
+GGUF_AUTO_ARCHS = ("llama", "qwen2", "qwen3", "phi3")
 
 
 def chosen_quant(args: argparse.Namespace) -> str:
-    """``--quant`` as given, with "auto" resolved: "gguf" where the source is a Llama GGUF stored mostly as blocks
-    kvtrace keeps and the run can keep them (float32, CPU, the model's KV dtype, a backend that keeps GGUF blocks in
+    """``--quant`` as given, with "auto" resolved: "gguf" where the source is a GGUF of ``GGUF_AUTO_ARCHS`` stored
+    mostly as blocks kvtrace keeps and the run can keep them (float32, CPU, the model's KV dtype, a backend that keeps GGUF blocks in
     its programs: one that offers the scheme and does not fold weights into one program, as ``export`` checks),
     else "none". GGUF-native programs compute with exactly the GGUF's dequantized values, which is what the float32
     path loads too: the choice changes the bytes read per token, not the numbers."""
