@@ -236,35 +236,129 @@ def test_text_and_stop_strings(tmp_path):
 
 
 def test_models_that_cannot_run_slots_are_refused_by_name():
-    m = tiny_model("gemma")
-    with pytest.raises(UnsupportedError, match="GemmaDecoder does not run per-row positions"):
-        kvtrace.export(m, "/nonexistent/x.kvt", max_seq_len=32, slots=2)
-    with pytest.raises(UnsupportedError, match="int8 K/V"):
-        kvtrace.export(tiny_model("llama"), "/nonexistent/x.kvt", max_seq_len=32, slots=2, kv_dtype="int8")
+    from tests.conftest import tiny_mllama
+
+    with pytest.raises(UnsupportedError, match=r"MllamaDecoder does not run per-row positions; its cache has cross "
+                                                r"layers.*shared state \['cross.mask', 'cross.active'\]"):
+        kvtrace.export(tiny_mllama(), "/nonexistent/x.kvt", max_seq_len=32, slots=2)
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(UnsupportedError, match=r"its RoPE \('dynamic'\) depends on the sequence length.*--parallel 1"):
+        kvtrace.export(dynamic, "/nonexistent/x.kvt", max_seq_len=32, slots=2)  # the general HF decoder's
     with pytest.raises(UsageError, match="slots must be a whole number"):
         kvtrace.export(tiny_model("llama"), "/nonexistent/x.kvt", max_seq_len=32, slots=0)
 
 
-def test_forward_slots_rows_match_forward_live_eagerly():
-    """The decoder itself: two slots at different positions decode in one call, each row as a solo run."""
+# Decoders and caches beyond the plain Llama one: (name, model, kv_dtype, the general HF decoder forced).
+# Sliding rings (window 8: the 19-token prompt wraps them), hybrid sliding/full caches, int8 K/V, Gemma's
+# soft-capped attention, HF's own modules (GPT-NeoX's partial rotary, Gemma 3 through the general path).
+ROW_CASES = {
+    "llama-int8": (lambda: tiny_model("llama"), "int8", False),
+    "mistral-sliding": (lambda: tiny_model("mistral", sliding_window=8), None, False),
+    "mistral-sliding-int8": (lambda: tiny_model("mistral", sliding_window=8), "int8", False),
+    "qwen2-hybrid": (lambda: tiny_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=1),
+                     None, False),
+    "gemma2": (lambda: tiny_model("gemma2"), None, False),
+    "gemma3-int8": (lambda: tiny_model("gemma3_text"), "int8", False),
+    "hf-gemma2": (lambda: tiny_model("gemma2"), None, True),
+    "hf-gemma3-int8": (lambda: tiny_model("gemma3_text"), "int8", True),
+    "hf-gpt_neox": (lambda: tiny_model("gpt_neox"), None, False),
+}
+
+
+def _decoders(case: str, slots: int):
+    from kvtrace.models.hf_generic import HFDecoder
     from kvtrace.models.registry import make_decoder
 
-    m = tiny_model("llama")
-    solo, multi = make_decoder(m, max_seq_len=32, batch_size=1), make_decoder(m, max_seq_len=32, batch_size=3)
+    make, kv, hf = ROW_CASES[case]
+    m = make()
+    build = (lambda b: HFDecoder(m, max_seq_len=32, batch_size=b, kv_dtype=kv)) if hf else (
+        lambda b: make_decoder(m, max_seq_len=32, batch_size=b, kv_dtype=kv))
+    return build(1), build(slots)
+
+
+@pytest.mark.parametrize("case", list(ROW_CASES))
+def test_forward_slots_rows_match_solo_runs_for_every_slot_kind_and_family(case):
+    """Two slots at different positions (one prompt longer than the window, one prefilled in two chunks) decode
+    10 tokens in one call each, every row's logits and cache row as a solo forward_live run's; row 1 untouched."""
+    solo, multi = _decoders(case, 3)
+    assert multi.slots_refusal() is None
+    g = torch.Generator().manual_seed(5)
+    p, q = (torch.randint(3, 100, (n,), generator=g).tolist() for n in (19, 4))
     state = multi.cache_spec.allocate()
-    p, q = _prompts((7, 4), seed=5)
+    refs = []
     with torch.no_grad():
-        multi.forward_slots(torch.tensor([p]), torch.arange(7)[None], torch.arange(7), torch.tensor([2]), *state)
-        multi.forward_slots(torch.tensor([q]), torch.arange(4)[None], torch.arange(4), torch.tensor([0]), *state)
-        toks = torch.tensor([[5], [9]])
-        out = multi.forward_slots(toks, torch.tensor([[7], [4]]), torch.arange(8), torch.tensor([2, 0]), *state)
-        for row, (prompt, n, slot) in enumerate(((p, 7, 2), (q, 4, 0))):
+        multi.forward_slots(torch.tensor([p]), torch.arange(19)[None], torch.arange(19), torch.tensor([2]), *state)
+        multi.forward_slots(torch.tensor([q[:2]]), torch.arange(2)[None], torch.arange(2), torch.tensor([0]), *state)
+        multi.forward_slots(torch.tensor([q[2:]]), torch.arange(2, 4)[None], torch.arange(4), torch.tensor([0]), *state)
+        for prompt in (p, q):
             s = solo.cache_spec.allocate()
-            solo.forward_live(torch.tensor([prompt]), torch.arange(n), torch.arange(n), *s)
-            ref = solo.forward_live(toks[row : row + 1], torch.tensor([n]), torch.arange(n + 1), *s)
-            torch.testing.assert_close(out[row : row + 1], ref, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(state[0][slot, :, : n + 1], s[0][0, :, : n + 1], rtol=1e-5, atol=1e-5)
-    assert bool((state[0][1] == 0).all()), "the untouched slot stays at its initial value"
+            solo.forward_live(torch.tensor([prompt]), torch.arange(len(prompt)), torch.arange(len(prompt)), *s)
+            refs.append([s, len(prompt)])
+        for _ in range(10):
+            toks = torch.randint(3, 100, (2, 1), generator=g)
+            pos = torch.tensor([[refs[0][1]], [refs[1][1]]])
+            out = multi.forward_slots(toks, pos, torch.arange(int(pos.max()) + 1), torch.tensor([2, 0]), *state)
+            for row, (s, n) in enumerate(refs):
+                ref = solo.forward_live(toks[row : row + 1], torch.tensor([n]), torch.arange(n + 1), *s)
+                torch.testing.assert_close(out[row : row + 1], ref, rtol=1e-4, atol=1e-4)
+                refs[row][1] += 1
+    for row, (s, _) in zip((2, 0), refs, strict=True):
+        for mine, theirs in zip(state, s, strict=True):  # every buffer: K/V, rings, int8 scales
+            if mine.dtype == torch.int8:  # a value on a rounding edge may land one step away in a batched call
+                step = (mine[row].int() - theirs[0].int()).abs()
+                assert int(step.max()) <= 1 and float((step > 0).float().mean()) < 0.02
+            else:
+                torch.testing.assert_close(mine[row], theirs[0], rtol=1e-4, atol=1e-4)
+    assert all(bool((t[1] == b.init).all()) for t, b in zip(state, multi.cache_spec.buffers(), strict=True))
+
+
+# Exported slots artifacts of the other decoders and caches, greedy answers against solo runs (the default suite
+# runs three: a sliding int8 ring, Gemma 2's hybrid soft-capped cache, the general HF decoder).
+ARTIFACT_CASES = ("mistral-sliding-int8", "gemma2", "hf-gpt_neox")
+
+
+@pytest.mark.parametrize("case", ARTIFACT_CASES)
+def test_slots_artifacts_of_sliding_int8_and_other_families_answer_as_solo_runs(tmp_path, case):
+    make, kv, _ = ROW_CASES[case]
+    m = make()
+    kvtrace.export(m, tmp_path / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last", kv_dtype=kv)
+    kvtrace.export(m, tmp_path / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, prefill_logits="last", kv_dtype=kv)
+    solo, art = kvtrace.load(tmp_path / "solo.kvt"), kvtrace.load(tmp_path / "slots.kvt")
+    assert art.manifest.programs["decode"].slots and art.cache_spec.kv_dtype == kv
+    prompts = _prompts((5, 11, 3, 20, 7, 1), seed=2)  # 20 > the window of 8
+    maxes = [12, 6, 20, 30, 15, 8]
+    solo_out = [generate(solo.session(), p, max_new_tokens=n).tokens for p, n in zip(prompts, maxes, strict=True)]
+    for chunk in (None, 4):
+        engine = art.slot_engine(prefill_chunk=chunk)
+        out = run_staggered(engine, [SlotRequest(p, max_tokens=n) for p, n in zip(prompts, maxes, strict=True)])
+        assert [out[i] for i in range(len(prompts))] == solo_out, f"prefill_chunk={chunk}"
+        assert all(bool((t == b.init).all()) for t, b in zip(engine.state, art.cache_spec.buffers(), strict=True))
+    # one slot driven like a Session under verify: logits and every cache layer (rings, int8) against eager
+    # (an int8 cache: against the same decoder with the same cache, eager: ``verify_by_cache``)
+    from kvtrace.tools.runners import EagerRunner, SessionRunner
+    from kvtrace.tools.verify_kv import verify_by_cache
+
+    session = art.slot_session()
+    report = verify_by_cache(m, EagerRunner(m), [SessionRunner(session, "slots")], _prompts((6, 12), seed=4), steps=6)
+    assert report.passed, report.summary()
+    assert session.untouched()
+
+
+@pytest.mark.compile
+def test_aoti_slots_artifact_of_a_hybrid_int8_cache_answers_as_solo_runs(tmp_path):
+    """Gemma 3's sliding and full layers, int8 K/V, compiled: every request as a solo run, chunked or not."""
+    make, kv, _ = ROW_CASES["gemma3-int8"]
+    m = make()
+    kvtrace.export(m, tmp_path / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last", kv_dtype=kv)
+    kvtrace.export(m, tmp_path / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, prefill_logits="last", kv_dtype=kv,
+                   backend="aoti")
+    solo, art = kvtrace.load(tmp_path / "solo.kvt"), kvtrace.load(tmp_path / "slots.kvt")
+    prompts, maxes = _prompts((5, 11, 3, 20, 7, 1), seed=2), [12, 6, 20, 30, 15, 8]
+    for chunk in (None, 4):
+        out = run_staggered(art.slot_engine(prefill_chunk=chunk),
+                            [SlotRequest(p, max_tokens=n) for p, n in zip(prompts, maxes, strict=True)])
+        for i, (p, n) in enumerate(zip(prompts, maxes, strict=True)):
+            assert out[i] == generate(solo.session(), p, max_new_tokens=n).tokens, f"request {i}, chunk {chunk}"
 
 
 @pytest.mark.compile

@@ -363,6 +363,58 @@ def test_cli_serve_refuses_a_parallel_its_artifact_lacks(artifacts, capsys):
     assert "holds 4 conversation slot(s), --parallel asks for 2" in capsys.readouterr().err
     assert main(["serve", str(artifacts / "solo.kvt"), "--max-seq-len", "999"]) == 2
     assert "more than solo.kvt's cache holds (96)" in capsys.readouterr().err
+    assert main(["serve", str(artifacts / "slots.kvt"), "--kv-dtype", "int8", "--port", "1"]) == 2
+    assert ("slots.kvt holds a float32 KV cache, --kv-dtype asks for int8: export it with `kvtrace export SOURCE "
+            "--slots 4 --kv-dtype int8`") in capsys.readouterr().err
+
+
+def test_a_hybrid_sliding_source_is_served_with_an_int8_cache(tmp_path, monkeypatch):
+    """`kvtrace serve SOURCE --parallel 2 --kv-dtype int8` on a Gemma 2 (sliding and full layers, window 8):
+    the cached slots artifact holds an int8 cache, and concurrent answers longer than the window equal solo runs
+    of the same int8 cache."""
+    import argparse
+
+    import transformers
+
+    from kvtrace.cli.serve import load_served
+    from kvtrace.cli.ui import UI
+    from tests.conftest import FAMILY_ARCHS, TINY, WORDS
+
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "gemma2"
+    d.mkdir()
+    torch.manual_seed(0)
+    cfg = transformers.Gemma2Config(**{**TINY, **FAMILY_ARCHS["gemma2"][2], "vocab_size": len(WORDS),
+                                       "max_position_embeddings": 128})
+    model = transformers.Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight[:3] = -1.0  # words only (the head is tied: special tokens embed oddly, never picked)
+        model.lm_head.weight[3:] *= 20
+    make_tiny_hf_dir(d, model=model)
+    args = argparse.Namespace(model=str(d), parallel=2, backend="exported", max_seq_len=64, dtype="float32",
+                              kv_dtype="int8", huge_pages=False, expected_sha256=None)
+    art = load_served(args, UI(quiet=True, json_mode=False))
+    assert (art.cache_spec.kv_dtype, art.cache_spec.batch_size, art.manifest.programs["decode"].slots) == ("int8", 2, True)
+    assert {layer.kind.value for layer in art.cache_spec.layers} == {"sliding", "full"}
+    kvtrace.export(str(d), tmp_path / "solo.kvt", max_seq_len=64, prefill_logits="last", kv_dtype="int8")
+    url, srv, thread = start_server(app_for(art, prefill_chunk=4))
+    try:
+        ref = Server(url, None, kvtrace.load(tmp_path / "solo.kvt"), art)
+        asks = [("hello the cat sat", 20), ("world", 14), ("the cat the cat sat on the world hello", 9)]
+
+        def ask(prompt_tokens):
+            prompt, n = prompt_tokens
+            body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": n, "temperature": 0}
+            return httpx.post(url + "/v1/chat/completions", json=body, timeout=60).json()
+
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            answers = list(pool.map(ask, asks))
+        for (prompt, n), got in zip(asks, answers, strict=True):
+            text, count = ref.solo_text(ref.chat_ids([{"role": "user", "content": prompt}]), n)
+            assert got["choices"][0]["message"]["content"] == text and got["usage"]["completion_tokens"] == count == n
+    finally:
+        srv.should_exit = True
+        thread.join(30)
 
 
 def test_the_cli_serves_an_artifact_in_its_own_process(artifacts):

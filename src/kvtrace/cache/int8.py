@@ -25,7 +25,7 @@ import torch
 from kvtrace.cache import full
 from kvtrace.cache.kinds import KindOps
 
-__all__ = ["MIN_SCALE", "QMAX", "dequantize", "quantize", "read", "stored", "valid", "write"]
+__all__ = ["MIN_SCALE", "QMAX", "dequantize", "quantize", "read", "read_rows", "stored", "valid", "write", "write_rows"]
 
 QMAX = 127  # symmetric: -127 .. 127 (-128 unused)
 MIN_SCALE = 2.0**-14  # float16's smallest normal: the smallest scale stored at full float16 precision
@@ -56,6 +56,26 @@ def write(kind: KindOps, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: t
     (qk, sk), (qv, sv) = quantize(k), quantize(v)
     kind.write(k_cache, v_cache, input_pos, qk, qv)
     kind.write(scales[0], scales[1], input_pos, sk, sv)
+
+
+def write_rows(kind: KindOps, k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
+               slots: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``write`` per row (a slots program): k, v [R, H_kv, T, D] into rows ``slots [R]``, row r at the slots
+    ``kind`` writes for ``input_pos[r]`` ([R, T]; ``kind.write_rows``), values and scales alike."""
+    (qk, sk), (qv, sv) = quantize(k), quantize(v)
+    kind.write_rows(k_cache, v_cache, slots, input_pos, qk, qv)
+    kind.write_rows(scales[0], scales[1], slots, input_pos, sk, sv)
+
+
+def read_rows(k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
+              dtype: torch.dtype, slots: torch.Tensor, key_pos: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``slots [R]`` dequantized in ``dtype``: at cache slots ``key_pos [L]`` -> [R, H_kv, L, D] (a full
+    layer's live prefix), or the whole rows (key_pos None: a ring) -> [R, H_kv, S, D]."""
+    if key_pos is None:
+        k, v, sk, sv = (t.index_select(0, slots) for t in (k_cache, v_cache, *scales))
+    else:
+        (k, v), (sk, sv) = full.OPS.read_rows(k_cache, v_cache, slots, key_pos), full.OPS.read_rows(*scales, slots, key_pos)
+    return dequantize(k, sk, dtype), dequantize(v, sv, dtype)
 
 
 def read(k_cache: torch.Tensor, v_cache: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype,

@@ -9,6 +9,8 @@ What a kind answers (``LayerSpec`` ``layer`` of CacheSpec ``spec``; K and V are 
     layer's S being its ``LayerSpec.max_len``; a kind sharing state across its layers declares it as the
     spec's ``extra`` buffers, e.g. ``cross.extra_buffers``);
   * ``write(k_cache, v_cache, input_pos, k, v)``: how a program stores new K/V (in place);
+    ``write_rows(k_cache, v_cache, slots, input_pos, k, v)`` the same per cache row (a slots program: rows
+    ``slots [R]``, row r at its own positions ``input_pos[r]``), for the kinds slot programs hold;
   * ``valid(k, v, position, prefilled)``: the slots holding data at ``position`` (what verify compares),
     None when the layer holds nothing yet;
   * ``max_rewind(layer, position)``: how many tokens ``Session.rewind`` may drop at ``position`` (all of them
@@ -61,6 +63,10 @@ class KindOps:
     def write(self, k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         raise NotImplementedError
+
+    def write_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+        raise NotImplementedError(f"{self.kind.value} cache layers have no per-row write (slot programs)")
 
     def valid(self, k: torch.Tensor, v: torch.Tensor, position: int,
               prefilled: bool) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -34,26 +34,28 @@ from typing import Any
 
 import torch
 
+from kvtrace.cache import full
 from kvtrace.cache.kinds import TAIL, KindOps
 from kvtrace.spec.cache import LayerKind, LayerSpec
 
-__all__ = ["OPS", "SLIDING", "SlidingOps", "attention_inputs", "slot_positions", "visible"]
+__all__ = ["OPS", "SLIDING", "SlidingOps", "attention_inputs", "attention_inputs_rows", "slot_positions", "visible"]
 
 SLIDING = "sliding"  # HF layer-pattern label: a DynamicSlidingWindowLayer
 
 
 def slot_positions(start: torch.Tensor, window: int) -> torch.Tensor:
     """The position each ring slot holds before a call starting at ``start`` (0-d int64) -> [W] int64,
-    negative where the slot holds nothing yet."""
-    last = start - 1
+    negative where the slot holds nothing yet; per row for ``start [R]`` (a slots program) -> [R, W]."""
+    last = start - 1 if start.dim() == 0 else start[:, None] - 1  # the rank: a trace-time fact
     # + window keeps the operand >= 0 (last >= -1): ExecuTorch 1.5's remainder kernel truncates negative
     # integers toward zero (remainder(-1, 4) = -1, not 3), and an exported ring must mean the same there
     return last - torch.remainder(last - torch.arange(window, device=start.device) + window, window)
 
 
 def visible(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
-    """query_pos [T], key_pos [K] -> mask [T, K], True where the query sees the key (HF's sliding window)."""
-    q, k = query_pos[:, None], key_pos[None, :]
+    """query_pos [T], key_pos [K] -> mask [T, K], True where the query sees the key (HF's sliding window);
+    per row: [R, T], [R, K] -> [R, T, K]."""
+    q, k = query_pos[..., :, None], key_pos[..., None, :]
     return (k >= 0) & (k <= q) & (k > q - window)
 
 
@@ -65,6 +67,23 @@ def attention_inputs(k_cache: torch.Tensor, v_cache: torch.Tensor, input_pos: to
     key_pos = torch.cat([slot_positions(input_pos[0], window), input_pos])  # [W + T]
     mask = visible(input_pos, key_pos, window)
     return torch.cat([k_cache, k], dim=2), torch.cat([v_cache, v], dim=2), mask
+
+
+def attention_inputs_rows(k_ring: torch.Tensor, v_ring: torch.Tensor, input_pos: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_inputs`` per row (a slots program): the rows' rings k_ring, v_ring [R, H_kv, W, D] as they
+    were, the call's k, v [R, H_kv, T, D] at positions ``input_pos [R, T]`` (each row its own) -> keys, values
+    [R, H_kv, W + T, D] and mask [R, 1, T, W + T] (True = visible; broadcast over heads)."""
+    window = k_ring.shape[2]
+    key_pos = torch.cat([slot_positions(input_pos[:, 0], window), input_pos], dim=1)  # [R, W + T]
+    mask = visible(input_pos, key_pos, window)[:, None]  # [R, 1, T, W + T]
+    return torch.cat([k_ring, k], dim=2), torch.cat([v_ring, v], dim=2), mask
+
+
+def _latest(t: int, window: int, device: torch.device) -> torch.Tensor:
+    """[T]: for each of a call's T rows, the last row with the same ring slot (r + W * ((T - 1 - r) // W))."""
+    r = torch.arange(t, device=device)
+    return r + window * torch.div(t - 1 - r, window, rounding_mode="floor")
 
 
 class SlidingOps(KindOps):
@@ -83,12 +102,21 @@ class SlidingOps(KindOps):
         """k, v [B, H_kv, T, D] at positions ``input_pos [T]`` into slots ``input_pos % W`` of the ring
         [B, H_kv, W, D]. Row r is replaced by the last row with the same slot (r + W * ((T - 1 - r) // W)),
         so slots written twice (T > W) get one value whatever the order: the last W tokens."""
-        window, t = k_cache.shape[2], k.shape[2]
-        r = torch.arange(t, device=input_pos.device)
-        latest = r + window * torch.div(t - 1 - r, window, rounding_mode="floor")  # [T]
+        window = k_cache.shape[2]
+        latest = _latest(k.shape[2], window, input_pos.device)  # [T]
         slots = torch.remainder(input_pos, window)
         k_cache.index_copy_(2, slots, k.index_select(2, latest))
         v_cache.index_copy_(2, slots, v.index_select(2, latest))
+
+    def write_rows(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, input_pos: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor) -> None:
+        """``write`` per row (a slots program): k, v [R, H_kv, T, D] into the rings of rows ``slots [R]`` of
+        k_cache, v_cache [B, H_kv, W, D], row r at ring slots ``input_pos[r] % W`` ([R, T]), the latest of a
+        row's duplicates (T > W) written for every one of them, so the scatter's order does not matter."""
+        window = k_cache.shape[2]
+        latest = _latest(k.shape[2], window, input_pos.device)  # [T]: the same for every row (T is shared)
+        ring = torch.remainder(input_pos, window)  # [R, T]
+        full.OPS.write_rows(k_cache, v_cache, slots, ring, k.index_select(2, latest), v.index_select(2, latest))
 
     def valid(self, k: torch.Tensor, v: torch.Tensor, position: int,
               prefilled: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, huge_pages_arg, int_in
+from kvtrace.cli.args import POSITIVE, huge_pages_arg, int_in, kv_dtype_arg
 from kvtrace.cli.ui import UI
 from kvtrace.serve import SERVE_BACKEND
 
@@ -21,6 +21,7 @@ def load_served(args: argparse.Namespace, ui: UI) -> Any:
     """The artifact to serve: a ``.kvt`` file as it is, or a model source exported (and cached) with
     ``--parallel`` slots (one slot: the plain artifact ``kvtrace generate`` uses, no extra compile)."""
     path = Path(args.model) if args.model is not None else None
+    kv = getattr(args, "kv_dtype", "auto")  # --kv-dtype (a namespace built by hand may leave it out)
     if path is not None and path.is_file() and zipfile.is_zipfile(path):
         from kvtrace.artifact.archive import load
 
@@ -30,6 +31,10 @@ def load_served(args: argparse.Namespace, ui: UI) -> Any:
         if args.parallel is not None and args.parallel != slots:
             raise UsageError(f"{path} holds {slots} conversation slot(s), --parallel asks for {args.parallel}: export "
                              f"it with `kvtrace export SOURCE --slots {args.parallel}`, or pass the model source")
+        if kv != "auto" and kv != art.cache_spec.kv_dtype:
+            raise UsageError(f"{path} holds a {art.cache_spec.kv_dtype or art.cache_spec.dtype} KV cache, --kv-dtype "
+                             f"asks for {kv}: export it with `kvtrace export SOURCE --slots {slots} --kv-dtype {kv}`, "
+                             "or pass the model source")
         return art
     if args.expected_sha256 is not None:
         raise UsageError("--expected-sha256 checks an artifact file; the model given is a source, built here")
@@ -38,7 +43,8 @@ def load_served(args: argparse.Namespace, ui: UI) -> Any:
     parallel = args.parallel or DEFAULT_PARALLEL
     built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len or 1024,
                             dtype=args.dtype, slots=parallel if parallel > 1 else None, progress=ui.step, load=True,
-                            notice=ui.notice, huge_pages=args.huge_pages)
+                            notice=ui.notice, huge_pages=args.huge_pages,
+                            kv_dtype=None if kv == "auto" else kv)
     ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
     return built.artifact
 
@@ -59,7 +65,8 @@ def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
 
     def ready(url: str) -> None:
         ui.notice(f"serving {art.manifest.model_name or art.path.stem} on {url}/v1 (OpenAI API): "
-                  f"{engine.n_slots} conversation slot(s), max_seq_len {engine.max_seq_len}, prompts prefilled "
+                  f"{engine.n_slots} conversation slot(s), max_seq_len {engine.max_seq_len}"
+                  f"{f', {art.cache_spec.kv_dtype} KV cache' if art.cache_spec.kv_dtype else ''}, prompts prefilled "
                   f"{f'{engine.prefill_chunk} tokens per step' if engine.prefill_chunk else 'whole'}, backend "
                   f"{art.manifest.backend}; Ctrl-C stops")
 
@@ -94,6 +101,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help=f"for a model source (default {SERVE_BACKEND}: one frozen program whose CPU matmuls stay fast "
                         "from 1 to N rows; aoti compiles faster)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="for a model source")
+    kv_dtype_arg(p)  # for a model source; an artifact keeps its own (a different one asked for is refused)
     p.add_argument("--expected-sha256", default=None, metavar="HEX",
                    help="refuse the artifact unless the whole file has this SHA-256")
     huge_pages_arg(p)

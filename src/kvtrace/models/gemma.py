@@ -142,7 +142,8 @@ def _softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
             softcap: float | None) -> torch.Tensor:
-    """q [B, H, T, D] over k, v [B, H_kv, S, D] with mask [T, S] (True = visible) -> [B, H, T, D].
+    """q [B, H, T, D] over k, v [B, H_kv, S, D] with mask [T, S] or per row [B, 1, T, S] (True = visible)
+    -> [B, H, T, D].
 
     Without soft-capping: SDPA. With it (HF's eager attention, op for op): scores = q k^T * scale in the
     model's dtype, tanh(scores / cap) * cap, masked, softmax in fp32 cast back, times v. Each KV head's
@@ -153,6 +154,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     b, h, t, d = q.shape
     hkv = k.shape[1]
     qg = q.view(b, hkv, h // hkv, t, d)  # query head i uses KV head i // (H / H_kv), as repeat_kv
+    if mask.dim() == 4:  # per row (a slots program): [R, 1, T, S] -> [R, 1, 1, T, S] over the groups
+        mask = mask[:, :, None]
     scores = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)) * scale  # [B, H_kv, G, T, S]
     scores = _softcap(scores, softcap).masked_fill(~mask, torch.finfo(scores.dtype).min)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
@@ -160,10 +163,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
 
 
 def _block(a: GemmaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor, cos: torch.Tensor,
-           sin: torch.Tensor, mask: torch.Tensor, kv: LayerState, key_pos: torch.Tensor | None, ring: bool) -> torch.Tensor:
+           sin: torch.Tensor, mask: torch.Tensor, kv: LayerState, key_pos: torch.Tensor | None, ring: bool,
+           slots: torch.Tensor | None = None) -> torch.Tensor:
     """One decoder layer. x [B, T, dim]; cos/sin [T, D]; ``kv``: the layer's cache state (k/v [B, H_kv, S, D],
     and an int8 cache's scales); mask [T, S] or, with ``key_pos [L]``, [T, L] over the live prefix; ``ring``: a
-    SLIDING layer (mask/key_pos unused). The cache is read and written by ``cache.attend.update``."""
+    SLIDING layer (mask/key_pos unused). The cache is read and written by ``cache.attend.update``; with
+    ``slots [R]`` (a slots program: x [R, T, dim], input_pos [R, T], cos/sin [R, 1, T, D], mask [R, 1, T, L])
+    by ``cache.attend.update_rows``, rows ``slots`` only."""
     b, t, _ = x.shape
     q_size, kv_size = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     h = _gemma_norm(x, layer.attn_norm, a.norm_eps)
@@ -174,7 +180,10 @@ def _block(a: GemmaArgs, layer: _Layer, x: torch.Tensor, input_pos: torch.Tensor
     if a.qk_norm:
         q, k = _gemma_norm(q, layer.q_norm, a.norm_eps), _gemma_norm(k, layer.k_norm, a.norm_eps)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-    keys, values, ring_mask = attend.update(kv, ring, input_pos, k, v, key_pos)  # [B, H_kv, S or L or W + T, D]
+    if slots is None:
+        keys, values, ring_mask = attend.update(kv, ring, input_pos, k, v, key_pos)  # [B, H_kv, S or L or W + T, D]
+    else:
+        keys, values, ring_mask = attend.update_rows(kv, ring, slots, input_pos, k, v, key_pos)  # [R, H_kv, L or W + T, D]
     o = _attend(q, keys, values, mask if ring_mask is None else ring_mask, a.scale, a.attn_softcap)
     o = layer.wo(o.transpose(1, 2).reshape(b, t, q_size))
     if a.post_norms:
@@ -210,17 +219,25 @@ class GemmaDecoder(Step):
         self._rings = ring_layers(spec)  # attention over a ring
         self.programs = programs_for(spec)
 
+    def slots_refusal(self) -> str | None:
+        return None  # forward_slots: every row at its own positions (RoPE tables indexed per row)
+
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,
-             state: tuple[torch.Tensor, ...]) -> torch.Tensor:
+             state: tuple[torch.Tensor, ...], slots: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T], input_pos [T]; or (``slots [R]``, a slots program) tokens [R, T], input_pos [R, T]."""
         a = self.args
         x = self.tok_embeddings(tokens) * self.embed_scale  # [B, T, dim]
-        cos, sin = self.rope_cos[:, input_pos], self.rope_sin[:, input_pos]  # [tables, T, D]
+        cos, sin = self.rope_cos[:, input_pos], self.rope_sin[:, input_pos]  # [tables, T, D] ([tables, R, T, D])
         keys = key_pos if key_pos is not None else torch.arange(self.cache_spec.max_seq_len, device=tokens.device)
-        mask = keys[None, :] <= input_pos[:, None]  # [T, L]: key j visible to query i iff j <= input_pos[i]
+        if slots is None:
+            mask = keys[None, :] <= input_pos[:, None]  # [T, L]: key j visible to query i iff j <= input_pos[i]
+        else:  # each row by its own positions: [R, 1, T, L]; RoPE per row, broadcast over heads
+            mask = (keys[None, None, :] <= input_pos[:, :, None])[:, None]
+            cos, sin = cos[:, :, None], sin[:, :, None]  # [tables, R, 1, T, D]
         for i, layer in enumerate(self.layers):
             j = a.rope_of[i]
             x = _block(a, layer, x, input_pos, cos[j], sin[j], mask, self.cache_spec.layer_state(state, i), key_pos,
-                       self._rings[i])
+                       self._rings[i], slots)
         if self.last_logits:
             x = x[:, -1:]  # [B, 1, dim]: a trace-time choice, never a runtime branch
         logits = self.output(_gemma_norm(x, self.norm, a.norm_eps))  # [B, T or 1, V]

@@ -12,6 +12,9 @@ soft-capping, per-layer RoPE, partial rotary, multipliers) with two things of kv
                (or, with key_pos [L], the live prefix [B, H_kv, L, D], mask [T, L])
       SLIDING  reads ring + the call's keys [B, H_kv, W + T, D], mask [T, W + T]
 
+  With ``slots [R]`` (a slots program, input_pos [R, T]) it reads and writes those cache rows only, each at
+  its own positions (``cache.attend.update_rows``), and the masks are per row ([R, 1, T, K]).
+
 * ``attention``: registered with transformers' ``AttentionInterface`` as ``"kvtrace"`` (``register``); the
   model's config copy names it as its ``_attn_implementation``, and since no mask function is registered
   under that name, HF builds no masks at all. It applies the mask ``update`` recorded for the layer,
@@ -58,8 +61,9 @@ class KvCache:
     is_compileable = True
 
     def __init__(self, spec: CacheSpec, state: tuple[torch.Tensor, ...], input_pos: torch.Tensor,
-                 key_pos: torch.Tensor | None = None):
+                 key_pos: torch.Tensor | None = None, slots: torch.Tensor | None = None):
         self.spec, self.state, self.input_pos, self.key_pos = spec, state, input_pos, key_pos
+        self.slots = slots  # a slots program's rows [R] (input_pos [R, T]): each row its own conversation
         self._rings = tuple(kind_of(layer) is sliding.OPS for layer in spec.layers)
         self._state = [spec.layer_state(state, i) for i in range(len(spec.layers))]  # k, v (+ int8 scales)
         self.layers = [_Layer(kv.k, kv.v, ring) for kv, ring in zip(self._state, self._rings, strict=True)]
@@ -78,13 +82,19 @@ class KvCache:
         dtype = self.spec.torch_dtype  # the model's: what an int8 cache is read back as, too
         k, v = key_states.to(dtype), value_states.to(dtype)
         self._last = layer_idx
-        keys, values, ring_mask = attend.update(self._state[layer_idx], self._rings[layer_idx], self.input_pos, k, v,
-                                                self.key_pos)  # [B, H_kv, S or L or W + T, D]
+        if self.slots is None:
+            keys, values, ring_mask = attend.update(self._state[layer_idx], self._rings[layer_idx], self.input_pos,
+                                                    k, v, self.key_pos)  # [B, H_kv, S or L or W + T, D]
+        else:
+            keys, values, ring_mask = attend.update_rows(self._state[layer_idx], self._rings[layer_idx], self.slots,
+                                                         self.input_pos, k, v, self.key_pos)  # [R, H_kv, L or W + T, D]
         self.masks[layer_idx] = self._full() if ring_mask is None else ring_mask  # [T, S or L], or [T, W + T]
+        # (a slots program's masks are per row: [R, 1, T, L] or [R, 1, T, W + T])
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0) -> torch.Tensor:
-        return self.input_pos[0]  # tokens before this call (HF asks only when it is given no position_ids)
+        # tokens before this call (HF asks only when it is given no position_ids); a slots program's first row's
+        return self.input_pos.reshape(-1)[0]
 
     @property
     def is_sliding(self) -> list[bool]:
@@ -99,7 +109,9 @@ class KvCache:
             keys = self.key_pos if self.key_pos is not None else torch.arange(
                 self.spec.max_seq_len, device=self.input_pos.device)
             # key j is visible to query i iff j <= input_pos[i]: stale slots past the position stay hidden
-            self._full_mask = keys[None, :] <= self.input_pos[:, None]  # [T, S or L]
+            self._full_mask = keys <= self.input_pos[..., :, None]  # [T, S or L]; per row [R, T, L]
+            if self.slots is not None:
+                self._full_mask = self._full_mask[:, None]  # [R, 1, T, L], broadcast over heads
         return self._full_mask
 
     def mask_for(self, module: Any, sliding_window: int | None) -> torch.Tensor:
@@ -167,7 +179,8 @@ def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
 def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
               softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """HF's eager attention with soft-capping and/or sinks: q [B, H, T, D], k/v [B, H_kv, K, D] -> [B, H, T, D].
+    """HF's eager attention with soft-capping and/or sinks: q [B, H, T, D], k/v [B, H_kv, K, D], mask [T, K]
+    or per row [B, 1, T, K] -> [B, H, T, D].
 
     Query head h reads KV head h // G (G = H / H_kv, HF's repeat_kv), computed per group
     (q as [B, H_kv, G, T, D]) so K/V are never copied (reshaping their repeat would also make torch.export
@@ -175,6 +188,8 @@ def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     b, h, t, d = q.shape
     h_kv = k.shape[1]
     qg = q.reshape(b, h_kv, h // h_kv, t, d)
+    if mask.dim() == 4:  # per row (a slots program): [R, 1, T, K] -> [R, 1, 1, T, K] over the groups
+        mask = mask[:, :, None]
     w = torch.matmul(qg, k[:, :, None].transpose(-1, -2)) * scaling  # [B, H_kv, G, T, K]
     if softcap is not None:
         w = torch.tanh(w / softcap) * softcap

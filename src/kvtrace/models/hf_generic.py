@@ -9,6 +9,8 @@ rings at input_pos % window), and attention is kvtrace's function registered wit
 
     forward(tokens [B, T], input_pos [T], k0, v0, ...) -> logits [B, T, V]
     forward_live(tokens, input_pos, key_pos [L], k0, v0, ...)   full layers read slots [0, L) only
+    forward_slots(tokens [R, T], input_pos [R, T], key_pos [L], slots [R], k0, ...)   rows ``slots`` only,
+        each at its own ``position_ids`` (``kvtrace serve``; refused for a length-dependent RoPE)
     k_i, v_i: [B, H_kv, S, D]; S = max_seq_len (FULL) or window (SLIDING)
 
 The caller's model is never touched: HFDecoder holds a *view* of it (``_share``: new module objects, the
@@ -168,13 +170,24 @@ class HFDecoder(Step):
         self._cache_kw = cache_kwarg_name(model)
         self.programs = programs_for(self.cache_spec)
 
+    def slots_refusal(self) -> str | None:
+        """HF's modules run each row at its own ``position_ids``, except a length-dependent RoPE (dynamic,
+        longrope), which HF switches on the batch's longest position: one row's length would change another's."""
+        rope = _length_dependent_rope(self.model.config)
+        if rope:
+            return (f"its RoPE ({rope!r}) depends on the sequence length, which HF's modules take from the whole "
+                    "batch, so one conversation's length would change another's answer")
+        return None
+
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,
-             state: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        cache = hf_attention.KvCache(self.cache_spec, state, input_pos, key_pos)
+             state: tuple[torch.Tensor, ...], slots: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [B, T], input_pos [T]; or (``slots [R]``, a slots program) tokens [R, T], input_pos [R, T]."""
+        cache = hf_attention.KvCache(self.cache_spec, state, input_pos, key_pos, slots)
+        positions = input_pos if slots is not None else input_pos.unsqueeze(0).expand(tokens.shape[0], -1)
         with hf_attention.active(cache):
             out = self.model(
                 input_ids=tokens,  # [B, T]
-                position_ids=input_pos.unsqueeze(0).expand(tokens.shape[0], -1),  # [B, T]
+                position_ids=positions,  # [B, T]: each row its own with slots
                 use_cache=True,
                 return_dict=True,
                 **({"logits_to_keep": 1} if self.last_logits else {}),
@@ -182,6 +195,19 @@ class HFDecoder(Step):
             )
         cache.check()
         return out.logits  # [B, T or 1, V]
+
+
+def _length_dependent_rope(config: Any) -> str | None:
+    """The first length-dependent RoPE type (``LENGTH_DEPENDENT_ROPE``) the config's text model uses, else None;
+    per-layer-type parameters (Gemma 3's ``{layer_type: {...}}``) are each looked at."""
+    from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE
+
+    cfg = hfconfig.text_config(config)
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    found = [hfconfig.rope_type(cfg)]
+    if isinstance(params, dict):
+        found += [str(p.get("rope_type", p.get("type", "default"))) for p in params.values() if isinstance(p, dict)]
+    return next((t for t in found if t in LENGTH_DEPENDENT_ROPE), None)
 
 
 def _build(model: torch.nn.Module, *, max_seq_len: int, batch_size: int, image_tokens: int | None = None,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import attend, full
+from kvtrace.cache import attend
 from kvtrace.models import fused
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
@@ -101,15 +101,14 @@ def cached_attention(a: LlamaArgs, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     (a copy of L slots) 47.0 / 42.6 / 35.7; one SDPA per KV head over per-head slices 43.7 / 40.1 / 36.6; all
     max_seq_len slots with a mask 37.0 / - / 37.7; the view against the gather: see ``cache.full.live``
     (33 -> 75 tokens/s for Q4_1 after 900 positions).
-    ``slots [R]`` (a slots program; full layers, K/V in the model's dtype): q, k, v are rows ``slots`` of the
-    cache, row r written at ``input_pos[r]`` ([R, T]) and attending over its slots ``key_pos`` with mask
-    [R, 1, T, L].
+    ``slots [R]`` (a slots program): q, k, v are rows ``slots`` of the cache, row r written at ``input_pos[r]``
+    ([R, T]); a full layer attends over its slots ``key_pos`` with ``mask`` [R, 1, T, L], a ring over its own
+    ring plus the new keys with the ring's mask (``cache.attend.update_rows``).
     """
     if slots is not None:
-        full.OPS.write_rows(layer.k, layer.v, slots, input_pos, k, v)  # row slots[r], slots input_pos[r]
-        keys, values = full.OPS.read_rows(layer.k, layer.v, slots, key_pos)  # [R, H_kv, L, D]
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=a.attention_scale,
-                                              enable_gqa=True)  # [R, H, T, D]
+        keys, values, ring_mask = attend.update_rows(layer, ring, slots, input_pos, k, v, key_pos)  # [R, H_kv, K, D]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask if ring_mask is None else ring_mask,
+                                              scale=a.attention_scale, enable_gqa=True)  # [R, H, T, D]
     if not ring and layer.scales is None:  # a backend's own kernels, only while one substitutes them for a
         o = fused.attention(q, k, v, input_pos, layer.k, layer.v, a.attention_scale)  # capture (models/fused.py)
         if o is not None:
@@ -170,7 +169,6 @@ class LlamaDecoder(Step):
 
     last_logits = False  # True on a program's copy (ProgramSpec.logits == "last"): the head on the last row only
     fused_attention = True  # every full layer's attention goes through cached_attention (models/fused.py)
-    runs_slots = True  # forward_slots: full-attention layers, K/V in the model's dtype (``step.slot_programs``)
 
     def __init__(self, a: LlamaArgs, spec: CacheSpec, rope_cos: torch.Tensor, rope_sin: torch.Tensor,
                  rope_long: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -191,6 +189,9 @@ class LlamaDecoder(Step):
             self.register_buffer("rope_sin_long", rope_long[1], persistent=True)
         self._rings = ring_layers(spec)  # attention over a ring
         self.programs = programs_for(spec)
+
+    def slots_refusal(self) -> str | None:
+        return None  # forward_slots: every row at its own positions, RoPE (longrope's switch too) per row
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,
              state: tuple[torch.Tensor, ...], slots: torch.Tensor | None = None) -> torch.Tensor:

@@ -7,7 +7,8 @@ state)`` and gets from ``Step``::
     forward_live(tokens [B, T], input_pos [T], key_pos [L], *state) -> logits   ... to the live prefix 0 .. L-1
     forward_slots(tokens [R, T], input_pos [R, T], key_pos [L], slots [R], *state) -> logits [R, T, V]
         rows ``slots`` of the cache only, each at its own positions (``ProgramSpec.slots``: one conversation
-        per row, for ``kvtrace serve``); decoders whose ``_run`` takes ``slots`` say so (``runs_slots``)
+        per row, for ``kvtrace serve``); full layers read the live prefix, rings their own rows
+        (``cache.attend.update_rows``); a decoder says whether its ``_run`` takes ``slots`` (``slots_refusal``)
 
 ``programs_for(spec)`` picks the programs to export: the live-prefix ones (``ProgramSpec.key_pos``) when
 some layer reads a prefix that can be shorter than its buffer, else the plain ones (a cache of rings only,
@@ -25,7 +26,7 @@ from kvtrace.cache.kinds import kind_of
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import DEFAULT_PROGRAMS, ProgramSpec
 
-__all__ = ["LIVE_PROGRAMS", "MIN_LIVE_PREFIX", "SLOT_PROGRAMS", "Step", "programs_for", "ring_layers", "slot_programs"]
+__all__ = ["LIVE_PROGRAMS", "MIN_LIVE_PREFIX", "SLOT_KINDS", "SLOT_PROGRAMS", "Step", "programs_for", "ring_layers", "slot_programs"]
 
 # Caches this small attend to every slot: nothing to save, and export needs example lengths L > T >= 2.
 MIN_LIVE_PREFIX = 8
@@ -50,19 +51,25 @@ def programs_for(spec: CacheSpec) -> tuple[ProgramSpec, ...]:
     return LIVE_PROGRAMS if live else DEFAULT_PROGRAMS
 
 
+# The cache kinds a slots program reads and writes per row (``write_rows``); int8 K/V on either.
+SLOT_KINDS = (full.OPS, sliding.OPS)
+
+
 def slot_programs(decoder: nn.Module) -> tuple[ProgramSpec, ...]:
     """SLOT_PROGRAMS for ``decoder``, or UnsupportedError naming what it lacks: a ``_run`` that takes
-    ``slots`` (``runs_slots``), full-attention layers only, K/V in the model's dtype, >= MIN_LIVE_PREFIX slots."""
+    ``slots`` (``Step.slots_refusal`` is None), full and sliding layers only (K/V in the model's dtype or
+    int8), no extra state, >= MIN_LIVE_PREFIX slots."""
     spec: CacheSpec = decoder.cache_spec
-    name = type(decoder).__name__
     why = []
-    if not getattr(type(decoder), "runs_slots", False):
-        why.append(f"{name} does not run per-row positions yet (LlamaDecoder, the llama family, does)")
-    kinds = sorted({layer.kind.value for layer in spec.layers if kind_of(layer) is not full.OPS})
+    refusal = (decoder.slots_refusal() if isinstance(decoder, Step)
+               else f"{type(decoder).__name__} does not run per-row positions")
+    if refusal:
+        why.append(refusal)
+    kinds = sorted({layer.kind.value for layer in spec.layers if kind_of(layer) not in SLOT_KINDS})
     if kinds:
-        why.append(f"its cache has {'/'.join(kinds)} layers (slot programs write full-attention layers only)")
-    if spec.kv_dtype is not None:
-        why.append(f"its cache holds {spec.kv_dtype} K/V (slot programs hold K/V in the model's dtype)")
+        why.append(f"its cache has {'/'.join(kinds)} layers (slot programs hold full and sliding layers)")
+    if spec.extra:
+        why.append(f"its cache has shared state {[b.name for b in spec.extra]} (slot programs hold per-row state only)")
     if spec.max_seq_len < MIN_LIVE_PREFIX:
         why.append(f"max_seq_len {spec.max_seq_len} < {MIN_LIVE_PREFIX}")
     if why:
@@ -74,7 +81,9 @@ def slot_programs(decoder: nn.Module) -> tuple[ProgramSpec, ...]:
 class Step(nn.Module):
     """The entry points of a decoder over ``_run``."""
 
-    runs_slots = False  # True where ``_run`` takes ``slots`` (forward_slots)
+    def slots_refusal(self) -> str | None:
+        """Why this decoder cannot run slot programs (one clause), None when its ``_run`` takes ``slots``."""
+        return f"{type(self).__name__} does not run per-row positions"
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, *state: torch.Tensor) -> torch.Tensor:
         """Full layers attend over all max_seq_len cache slots (stale ones masked by position)."""
@@ -89,8 +98,9 @@ class Step(nn.Module):
                       *state: torch.Tensor) -> torch.Tensor:
         """Rows ``slots [R]`` of the cache, row r at positions ``input_pos[r]`` (tokens [R, T], input_pos [R, T]);
         full layers attend over slots ``key_pos = 0 .. L-1`` (L: the longest row's end), masked per row."""
-        if not self.runs_slots:
-            raise UnsupportedError(f"{type(self).__name__} does not run slot programs (see slot_programs)")
+        why = self.slots_refusal()
+        if why:
+            raise UnsupportedError(f"cannot run slot programs: {why} (see slot_programs)")
         return self._run(tokens, input_pos, key_pos, state, slots=slots)
 
     def _run(self, tokens: torch.Tensor, input_pos: torch.Tensor, key_pos: torch.Tensor | None,

@@ -19,6 +19,7 @@ stopped (the median of both: these machines drift by 10 % within minutes, and th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -201,10 +202,12 @@ def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[st
 def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2, 4, 8), requests_per_client: int = 2,
                     new_tokens: int = 128, max_seq_len: int = 1024, backend: str = SERVE_BACKEND, baseline_runs: int = 3,
                     check: bool = True, threads: int | None = None, huge_pages: bool = False,
+                    kv_dtype: str | None = None,
                     progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Measure ``kvtrace serve`` (see the module docstring); returns a JSON-able dict with ``levels``.
     ``threads``: torch threads of the server and baseline processes (OMP_NUM_THREADS; None: torch's default);
-    ``huge_pages``: both load the artifact with ``--huge-pages``."""
+    ``huge_pages``: both load the artifact with ``--huge-pages``; ``kv_dtype`` ("int8"): both artifacts (the
+    served one and the batch-1 one of the baseline and the reference answers) hold that cache."""
     import contextlib
 
     import torch
@@ -214,9 +217,9 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
     progress = progress or (lambda what: contextlib.nullcontext())
     slots = max(clients)
     with progress("building the batch-1 and slots artifacts (cached)"):
-        plain = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, progress=None)
+        plain = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, progress=None, kv_dtype=kv_dtype)
         served = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, slots=slots if slots > 1 else None,
-                                 progress=None)
+                                 progress=None, kv_dtype=kv_dtype)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({} if threads is None else {"OMP_NUM_THREADS": str(threads)})}
     extra = ["--huge-pages"] if huge_pages else []
     def baseline() -> list[float]:
@@ -254,13 +257,15 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
         lv.vs_one_client = round(lv.aggregate_tok_s / one, 2) if one else 0.0
         lv.decode_step_vs_one_client = round(lv.decode_step_tok_s / one_step, 2) if one_step else 0.0
     refs: dict[str, str] = {}
+    from kvtrace.artifact.archive import load
+
+    art = load(plain.path)  # after the levels: the batch-1 artifact, its cache spec and the reference answers
+    served_cache = dataclasses.replace(art.cache_spec, batch_size=slots).nbytes()  # the server's cache: one row a slot
     if check:
-        from kvtrace.artifact.archive import load
         from kvtrace.runtime.generate import generate
         from kvtrace.sources.chat import encode_prompt
 
         with progress("solo runs of every prompt (the reference answers)"):
-            art = load(plain.path)
             tok, m = art.tokenizer(), art.manifest
             for p in {p for lv in levels for p, _ in lv.all_texts}:
                 ids = encode_prompt(tok, p, chat=True, template=m.chat_template, bos_id=m.bos_id, eos_ids=m.eos_ids)
@@ -273,6 +278,7 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
         "model": model or "smollm2-135m-instruct", "backend": backend, "slots": slots, "new_tokens": new_tokens,
         "requests_per_client": requests_per_client, "max_seq_len": max_seq_len,
         "threads": threads if threads is not None else torch.get_num_threads(), "huge_pages": huge_pages,
+        "kv_dtype": kv_dtype, "served_cache_mib": round(served_cache / 2**20, 3),
         "kvtrace_run_decode_tok_s": round(baseline, 2), "kvtrace_run_runs": [round(b, 2) for b in base],
         "single_client_decode_vs_run": round(levels[0].decode_tok_s_p50 / baseline, 3) if levels and baseline else None,
         "checked_against_solo": check,
@@ -296,5 +302,7 @@ def render_markdown(data: dict[str, Any]) -> str:
     rows.append(f"`kvtrace run` decode: {data['kvtrace_run_decode_tok_s']:.1f} tok/s (median of "
                 f"{data['kvtrace_run_runs']}); one client through the server: "
                 f"{data['single_client_decode_vs_run']}x of it. {data['model']}, {data['backend']}, "
-                f"{data['slots']} slots, {data['new_tokens']} tokens per request, {data['threads']} threads.")
+                f"{data['slots']} slots ({data.get('kv_dtype') or 'model-dtype'} KV cache, "
+                f"{data.get('served_cache_mib', '?')} MiB), {data['new_tokens']} tokens per request, "
+                f"{data['threads']} threads.")
     return "\n".join(rows)
