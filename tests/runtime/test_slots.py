@@ -250,7 +250,8 @@ def test_models_that_cannot_run_slots_are_refused_by_name():
 
 # Decoders and caches beyond the plain Llama one: (name, model, kv_dtype, the general HF decoder forced).
 # Sliding rings (window 8: the 19-token prompt wraps them), hybrid sliding/full caches, int8 K/V, Gemma's
-# soft-capped attention, HF's own modules (GPT-NeoX's partial rotary, Gemma 3 through the general path).
+# soft-capped attention, HF's own modules (GPT-NeoX's partial rotary, Gemma 3 through the general path, GPT-OSS's
+# sinks, GPT-2's learned positions).
 ROW_CASES = {
     "llama-int8": (lambda: tiny_model("llama"), "int8", False),
     "mistral-sliding": (lambda: tiny_model("mistral", sliding_window=8), None, False),
@@ -262,7 +263,15 @@ ROW_CASES = {
     "hf-gemma2": (lambda: tiny_model("gemma2"), None, True),
     "hf-gemma3-int8": (lambda: tiny_model("gemma3_text"), "int8", True),
     "hf-gpt_neox": (lambda: tiny_model("gpt_neox"), None, False),
+    "hf-gpt_oss": (lambda: _hf_generic_model("gpt_oss"), None, False),  # attention sinks, MoE, a sliding layer
+    "hf-gpt2": (lambda: _hf_generic_model("gpt2"), None, False),  # learned absolute positions, per row
 }
+
+
+def _hf_generic_model(arch: str):
+    from tests.models.test_hf_generic import make
+
+    return make(arch)
 
 
 def _decoders(case: str, slots: int):

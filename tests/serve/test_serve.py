@@ -368,17 +368,17 @@ def test_cli_serve_refuses_a_parallel_its_artifact_lacks(artifacts, capsys):
             "--slots 4 --kv-dtype int8`") in capsys.readouterr().err
 
 
-def test_a_hybrid_sliding_source_is_served_with_an_int8_cache(tmp_path, monkeypatch):
+def test_a_hybrid_sliding_source_is_served_with_an_int8_cache(tmp_path, monkeypatch, capsys):
     """`kvtrace serve SOURCE --parallel 2 --kv-dtype int8` on a Gemma 2 (sliding and full layers, window 8):
     the cached slots artifact holds an int8 cache, and concurrent answers longer than the window equal solo runs
     of the same int8 cache."""
     import argparse
 
     import transformers
+    from tests.conftest import FAMILY_ARCHS, TINY, WORDS
 
     from kvtrace.cli.serve import load_served
     from kvtrace.cli.ui import UI
-    from tests.conftest import FAMILY_ARCHS, TINY, WORDS
 
     monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
     d = tmp_path / "gemma2"
@@ -415,6 +415,14 @@ def test_a_hybrid_sliding_source_is_served_with_an_int8_cache(tmp_path, monkeypa
     finally:
         srv.should_exit = True
         thread.join(30)
+    # the CLI says, as it starts, that batched answers of an int8 cache may leave solo ones at near-ties
+    from kvtrace.cli.main import main
+    from kvtrace.serve import app as serve_app
+
+    monkeypatch.setattr(serve_app, "serve", lambda app, **kw: None)
+    assert main(["serve", str(art.path), "--port", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "int8 KV cache: a conversation decoded beside others can leave the answer it gets alone" in err
 
 
 def test_the_cli_serves_an_artifact_in_its_own_process(artifacts):

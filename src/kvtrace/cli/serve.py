@@ -62,6 +62,10 @@ def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
     app = app_for(art, max_seq_len=max_seq, api_key=args.api_key, max_queue=args.queue,
                   prefill_chunk=args.prefill_chunk or None)
     engine = app.state.engine
+    if art.cache_spec.kv_dtype is not None and engine.n_slots > 1:
+        ui.notice(f"{art.cache_spec.kv_dtype} KV cache: a conversation decoded beside others can leave the answer it "
+                  "gets alone where two tokens nearly tie (a value on a rounding edge is stored one step apart when "
+                  "the batch changes the matmul's last bits; bench/batch_divergence.py measures it)")
 
     def ready(url: str) -> None:
         ui.notice(f"serving {art.manifest.model_name or art.path.stem} on {url}/v1 (OpenAI API): "
