@@ -10,7 +10,11 @@ together through the slots artifact (``kvtrace serve``'s: aoti-packed, cached) a
 the batch-1 artifact of the same cache, printing per request the first token that differs and solo's
 top-2 margin at that step (and its smallest margin anywhere), one JSON line each.
 
-    .venv/bin/python bench/batch_divergence.py [--kv-dtype int8|auto] [--new-tokens 128] [--requests 4]
+    .venv/bin/python bench/batch_divergence.py [--kv-dtype int8|auto] [--quant none|int8|...] [--new-tokens 128]
+        [--requests 4]
+
+``--quant``: quantized weights (both artifacts; the slots one runs other kernels for R rows than the batch-1
+one's own decode program, so with bf16 or int8 activations even one slot may leave the solo answer).
 """
 
 from __future__ import annotations
@@ -63,18 +67,22 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--requests", type=int, default=4, help=f"prompts decoded together (at most {len(PROMPTS)})")
     ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--quant", default="none", help="weights: none (default), int8, int4, 8da4w, gguf")
+    ap.add_argument("--backend", default=SERVE_BACKEND)
+    ap.add_argument("--slots", type=int, default=None, help="slots of the artifact (default: --requests)")
     args = ap.parse_args()
     kv = None if args.kv_dtype == "auto" else args.kv_dtype
-    plain = cached_artifact(None, backend=SERVE_BACKEND, max_seq_len=args.max_seq_len, kv_dtype=kv, load=True).artifact
-    many = cached_artifact(None, backend=SERVE_BACKEND, max_seq_len=args.max_seq_len, kv_dtype=kv,
-                           slots=args.requests, load=True).artifact
+    opts = dict(backend=args.backend, max_seq_len=args.max_seq_len, kv_dtype=kv,
+                quant=None if args.quant == "none" else args.quant, load=True)
+    plain = cached_artifact(None, **opts).artifact
+    many = cached_artifact(None, slots=args.slots or args.requests, **opts).artifact
     tok, m = plain.tokenizer(), plain.manifest
     prompts = [encode_prompt(tok, p, chat=True, template=m.chat_template, bos_id=m.bos_id, eos_ids=m.eos_ids)
                for p in PROMPTS[: args.requests]]
     for i, (p, got) in enumerate(zip(prompts, batched(many, prompts, args.new_tokens), strict=True)):
         ref, margins = solo(plain, p, args.new_tokens)
         first = next((j for j, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b), None)
-        print(json.dumps({"request": i, "kv_dtype": args.kv_dtype, "prompt_tokens": len(p),
+        print(json.dumps({"request": i, "kv_dtype": args.kv_dtype, "quant": args.quant, "prompt_tokens": len(p),
                           "first_difference": first,
                           "solo_margin_there": None if first is None else round(margins[first], 4),
                           "solo_min_margin": round(min(margins), 4), "at": margins.index(min(margins)),

@@ -71,6 +71,9 @@ def test_gguf_linear_decode_and_prefill_paths_agree_with_the_dequantized_weight(
         expect = (qv.float() - off) * d.float()[..., None] + (0 if mm is None else mm.float()[..., None])
         assert torch.equal(w, expect.reshape(n, k))
         torch.testing.assert_close(lin(x1), F.linear(x1, w), rtol=1e-5, atol=1e-6)  # the one-row (decode) path
+        x3 = torch.randn(3, 1, k)  # a slots decode: 3 rows of one token, each through the one-row path
+        assert torch.equal(lin(x3), torch.cat([lin(x3[i : i + 1]) for i in range(3)]))
+        torch.testing.assert_close(lin(x3), F.linear(x3, w), rtol=1e-5, atol=1e-6)
         assert torch.equal(lin(x5), x5 @ w.t())  # prefill: the dequantized weight itself
         assert lin.q.shape[0] == 1 and lin.q.shape[-1] == 32  # 24 rows padded to one tile of 32 outputs
         tokens = torch.tensor([[0, 23, 7], [31 % n, 5, 0]])
@@ -210,6 +213,25 @@ def test_gguf_native_export_verifies_exactly_against_the_dequantized_gguf(kind, 
     (s,) = report.summary()
     assert s["reference"] == "decoder-eager-gguf" and s["logits_max_abs"] < 1e-4 and s["tokens_agree"] == s["steps"]
     assert not report.floors and s["noise_floor"] is None  # float32 blocks, no rounding step: no noise floor
+
+
+def test_a_gguf_native_slots_artifact_answers_as_solo_runs(q41_gguf, tmp_path):
+    """kvtrace serve over GGUF blocks: a slots decode runs every row through the one-token path (x [R, 1, K]),
+    float32 as a solo run's, so each request's greedy answer is the solo one, requests joining mid-stream."""
+    from tests.runtime.test_slots import run_staggered
+
+    from kvtrace.runtime.generate import generate
+    from kvtrace.runtime.slots import SlotRequest
+
+    solo = _export(str(q41_gguf), tmp_path / "solo.kvt", "gguf")
+    art = _export(str(q41_gguf), tmp_path / "slots.kvt", "gguf", slots=3)
+    assert art.manifest.quant.scheme == "gguf" and art.manifest.programs["decode"].slots
+    prompts = ([1, 3, 4, 5, 3, 7], [1, 6, 5], [2, 2, 7, 1, 3, 3, 4, 6, 5], [4])
+    maxes = (10, 14, 6, 12)
+    out = run_staggered(art.slot_engine(), [SlotRequest(p, max_tokens=n) for p, n in zip(prompts, maxes, strict=True)],
+                        join_every=1)
+    for i, (p, n) in enumerate(zip(prompts, maxes, strict=True)):
+        assert out[i] == generate(solo.session(), p, max_new_tokens=n).tokens, f"request {i}"
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "phi3"])

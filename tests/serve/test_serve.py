@@ -366,6 +366,38 @@ def test_cli_serve_refuses_a_parallel_its_artifact_lacks(artifacts, capsys):
     assert main(["serve", str(artifacts / "slots.kvt"), "--kv-dtype", "int8", "--port", "1"]) == 2
     assert ("slots.kvt holds a float32 KV cache, --kv-dtype asks for int8: export it with `kvtrace export SOURCE "
             "--slots 4 --kv-dtype int8`") in capsys.readouterr().err
+    assert main(["serve", str(artifacts / "slots.kvt"), "--quant", "int8", "--port", "1"]) == 2
+    assert ("slots.kvt holds unquantized weights, --quant asks for int8: export it with `kvtrace export SOURCE "
+            "--slots 4 --quant int8`") in capsys.readouterr().err
+
+
+def test_a_source_is_served_with_int8_weights(artifacts, tmp_path, monkeypatch):
+    """`kvtrace serve SOURCE --quant int8 --parallel 2`: the cached slots artifact holds int8 weights, and a slot
+    answers as a solo run of the same int8 weights."""
+    import argparse
+
+    from kvtrace.cli.serve import load_served
+    from kvtrace.cli.ui import UI
+    from kvtrace.runtime.slots import SlotRequest
+
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    args = argparse.Namespace(model=str(artifacts), parallel=2, backend="exported", max_seq_len=48, dtype="float32",
+                              kv_dtype="auto", quant="int8", quant_group_size=None, quant_head=True, huge_pages=False,
+                              expected_sha256=None)
+    art = load_served(args, UI(quiet=True, json_mode=False))
+    assert art.manifest.quant.scheme == "int8" and art.manifest.programs["decode"].slots
+    kvtrace.export(str(artifacts), tmp_path / "solo.kvt", max_seq_len=48, prefill_logits="last", quant="int8")
+    solo = kvtrace.load(tmp_path / "solo.kvt")
+    engine = art.slot_engine()
+    ids = [3, 4, 5, 6, 7, 3]
+    _, ev = engine.admit(SlotRequest(ids, max_tokens=12))
+    tokens = [ev.token]
+    while engine.active:
+        tokens += [e.token for e in engine.step() if e.token is not None]
+    assert tokens == generate(solo.session(), ids, max_new_tokens=12).tokens
+    from kvtrace.cli.serve import rounding_steps
+
+    assert rounding_steps(art) == ["int8 weights with bfloat16 activations"]
 
 
 def test_a_hybrid_sliding_source_is_served_with_an_int8_cache(tmp_path, monkeypatch, capsys):
@@ -422,7 +454,30 @@ def test_a_hybrid_sliding_source_is_served_with_an_int8_cache(tmp_path, monkeypa
     monkeypatch.setattr(serve_app, "serve", lambda app, **kw: None)
     assert main(["serve", str(art.path), "--port", "1"]) == 0
     err = capsys.readouterr().err
-    assert "int8 KV cache: a conversation decoded beside others can leave the answer it gets alone" in err
+    assert "int8 KV cache: an answer can leave the one `kvtrace run` gives where two tokens nearly tie" in err
+
+
+def test_serve_picks_the_backend_for_the_weights_it_is_asked_to_keep(monkeypatch):
+    """A source served with GGUF blocks compiles on aoti (a decode program of one token a row); otherwise on
+    aoti-packed; a --backend given is kept. The quantization reaches the build."""
+    import argparse
+    from types import SimpleNamespace
+
+    from kvtrace.artifact import store
+    from kvtrace.cli.serve import load_served
+    from kvtrace.cli.ui import UI
+
+    asked = []
+    monkeypatch.setattr(store, "cached_artifact", lambda source, **kw: asked.append(kw) or SimpleNamespace(
+        cache_hit=True, path="x.kvt", artifact="art", seconds=0.0))
+    for quant, backend in (("gguf", None), ("int8", None), ("none", None), ("gguf", "exported")):
+        args = argparse.Namespace(model="m.gguf", parallel=4, backend=backend, max_seq_len=None, dtype="float32",
+                                  kv_dtype="auto", quant=quant, quant_group_size=None, quant_head=True,
+                                  huge_pages=False, expected_sha256=None)
+        assert load_served(args, UI(quiet=True, json_mode=False)) == "art"
+    assert [(kw["backend"], kw.get("quant")) for kw in asked] == [
+        ("aoti", "gguf"), ("aoti-packed", "int8"), ("aoti-packed", None), ("exported", "gguf")]
+    assert all(kw["slots"] == 4 and kw["max_seq_len"] == 1024 for kw in asked)
 
 
 def test_the_cli_serves_an_artifact_in_its_own_process(artifacts):

@@ -24,24 +24,27 @@ def cmd_bench_serve(args: argparse.Namespace, ui: UI) -> int:
     import json
     from pathlib import Path
 
-    from kvtrace.serve import SERVE_BACKEND
+    from kvtrace.serve import GGUF_SERVE_BACKEND, SERVE_BACKEND
     from kvtrace.serve.bench import render_markdown, run_serve_bench
 
     kv = args.kv_dtype.split(",") if isinstance(args.kv_dtype, str) else list(args.kv_dtype)
-    ignored = [f for f, on in (("--quant", args.quant != "none"), ("a --kv-dtype list", len(kv) > 1),
+    quant = str(args.quant).split(",")
+    ignored = [f for f, on in (("a --quant list", len(quant) > 1), ("a --kv-dtype list", len(kv) > 1),
                                ("--device", str(args.device) != "cpu"),
                                ("--cuda-graphs", args.cuda_graphs), ("--plot", args.plot is not None)) if on]
     if ignored:
-        raise UsageError(f"bench --serve measures a CPU slots artifact of unquantized weights (one --kv-dtype); "
+        raise UsageError(f"bench --serve measures one CPU slots artifact (one --quant, one --kv-dtype); "
                          f"{', '.join(ignored)} is not offered with it: drop it")
     clients = tuple(int(x) for x in str(args.clients).split(","))
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
-    backend = backends[0] if len(backends) == 1 else SERVE_BACKEND  # the default list names several: serve's own
+    # the default list names several: serve's own (for GGUF blocks, the backend serve picks for them)
+    backend = backends[0] if len(backends) == 1 else GGUF_SERVE_BACKEND if quant == ["gguf"] else SERVE_BACKEND
     with output_file(args.json, "--json"):
         data = run_serve_bench(args.model, clients=clients, requests_per_client=args.requests, new_tokens=args.new_tokens,
                                max_seq_len=args.max_seq_len, backend=backend, baseline_runs=args.runs,
                                check=not args.no_check, threads=args.threads, huge_pages=args.huge_pages,
-                               kv_dtype=None if kv == ["auto"] else kv[0], progress=ui.step)
+                               kv_dtype=None if kv == ["auto"] else kv[0],
+                               quant=None if quant == ["none"] else quant[0], progress=ui.step)
         if args.json:
             Path(args.json).write_text(json.dumps(data, indent=2))
     ui.out.print(render_markdown(data), markup=False, highlight=False, soft_wrap=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 from typing import Any
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, huge_pages_arg, int_in, kv_dtype_arg
+from kvtrace.cli.args import POSITIVE, huge_pages_arg, int_in, kv_dtype_arg, quant_args
 from kvtrace.cli.ui import UI
-from kvtrace.serve import SERVE_BACKEND
+from kvtrace.serve import GGUF_SERVE_BACKEND, SERVE_BACKEND
 
 DEFAULT_PARALLEL = 4  # conversation slots when serving a model source
 DEFAULT_PREFILL_CHUNK = 256  # prompt tokens per prefill call (see SlotEngine: chunked prefill)
@@ -31,6 +31,12 @@ def load_served(args: argparse.Namespace, ui: UI) -> Any:
         if args.parallel is not None and args.parallel != slots:
             raise UsageError(f"{path} holds {slots} conversation slot(s), --parallel asks for {args.parallel}: export "
                              f"it with `kvtrace export SOURCE --slots {args.parallel}`, or pass the model source")
+        quant = getattr(args, "quant", "none")
+        has = art.manifest.quant.scheme if art.manifest.quant is not None else "none"
+        if quant != "none" and quant != has:
+            raise UsageError(f"{path} holds {has if has != 'none' else 'unquantized'} weights, --quant asks for "
+                             f"{quant}: export it with `kvtrace export SOURCE --slots {slots} --quant {quant}`, or "
+                             "pass the model source")
         if kv != "auto" and kv != art.cache_spec.kv_dtype:
             raise UsageError(f"{path} holds a {art.cache_spec.kv_dtype or art.cache_spec.dtype} KV cache, --kv-dtype "
                              f"asks for {kv}: export it with `kvtrace export SOURCE --slots {slots} --kv-dtype {kv}`, "
@@ -41,12 +47,29 @@ def load_served(args: argparse.Namespace, ui: UI) -> Any:
     from kvtrace.artifact.store import cached_artifact
 
     parallel = args.parallel or DEFAULT_PARALLEL
-    built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len or 1024,
+    quant = {k: getattr(args, k) for k in ("quant", "quant_group_size", "quant_head") if hasattr(args, k)}
+    if quant.get("quant") == "none":
+        quant = {}
+    backend = args.backend or (GGUF_SERVE_BACKEND if quant.get("quant") == "gguf" else SERVE_BACKEND)
+    built = cached_artifact(args.model, backend=backend, max_seq_len=args.max_seq_len or 1024,
                             dtype=args.dtype, slots=parallel if parallel > 1 else None, progress=ui.step, load=True,
                             notice=ui.notice, huge_pages=args.huge_pages,
-                            kv_dtype=None if kv == "auto" else kv)
+                            kv_dtype=None if kv == "auto" else kv, **quant)
     ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
     return built.artifact
+
+
+def rounding_steps(art: Any) -> list[str]:
+    """What rounds at run time in ``art``'s programs (an int8 KV cache, weights computed with bfloat16 or int8
+    activations): where batched answers may leave solo ones. Float32 caches and GGUF blocks (float32
+    activations) have no such step."""
+    why = []
+    if art.cache_spec.kv_dtype is not None:
+        why.append(f"{art.cache_spec.kv_dtype} KV cache")
+    q = art.manifest.quant
+    if q is not None and q.activations != "float32":
+        why.append(f"{q.scheme} weights with {q.activations} activations")
+    return why
 
 
 def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
@@ -62,10 +85,11 @@ def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
     app = app_for(art, max_seq_len=max_seq, api_key=args.api_key, max_queue=args.queue,
                   prefill_chunk=args.prefill_chunk or None)
     engine = app.state.engine
-    if art.cache_spec.kv_dtype is not None and engine.n_slots > 1:
-        ui.notice(f"{art.cache_spec.kv_dtype} KV cache: a conversation decoded beside others can leave the answer it "
-                  "gets alone where two tokens nearly tie (a value on a rounding edge is stored one step apart when "
-                  "the batch changes the matmul's last bits; bench/batch_divergence.py measures it)")
+    why = rounding_steps(art)
+    if why and engine.n_slots > 1:
+        ui.notice(f"{' and '.join(why)}: an answer can leave the one `kvtrace run` gives where two tokens nearly tie, "
+                  "as the slot programs' matmul kernels round otherwise than a one-conversation program's "
+                  "(bench/batch_divergence.py measures it)")
 
     def ready(url: str) -> None:
         ui.notice(f"serving {art.manifest.model_name or art.path.stem} on {url}/v1 (OpenAI API): "
@@ -101,11 +125,13 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--prefill-chunk", type=int_in(0), default=DEFAULT_PREFILL_CHUNK, metavar="N",
                    help="prefill long prompts N tokens at a time between decode steps, so other conversations keep "
                         f"streaming (default {DEFAULT_PREFILL_CHUNK}; 0: whole prompts)")
-    p.add_argument("--backend", choices=sorted(registry.names()), default=SERVE_BACKEND,
+    p.add_argument("--backend", choices=sorted(registry.names()), default=None,
                    help=f"for a model source (default {SERVE_BACKEND}: one frozen program whose CPU matmuls stay fast "
-                        "from 1 to N rows; aoti compiles faster)")
+                        f"from 1 to N rows; aoti compiles faster; --quant gguf: {GGUF_SERVE_BACKEND}, whose decode "
+                        "program of one token a row reads the GGUF blocks once a row)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="for a model source")
     kv_dtype_arg(p)  # for a model source; an artifact keeps its own (a different one asked for is refused)
+    quant_args(p)  # likewise
     p.add_argument("--expected-sha256", default=None, metavar="HEX",
                    help="refuse the artifact unless the whole file has this SHA-256")
     huge_pages_arg(p)

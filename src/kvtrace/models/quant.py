@@ -333,33 +333,41 @@ class GGUFLinear(nn.Module):
     def _decode(self, row: torch.Tensor) -> torch.Tensor:
         """row [K] float32 -> y [N]: per block, d * (x . q) (+ m * sum(x)), q read once as stored, with the 32
         outputs of a tile side by side in a vector (a reduction per 32-weight block was ~1.7x slower, and
-        dequantizing each weight before the multiply ~1.5x, measured)."""
-        blocks = row.view(-1, 32)  # [G, 32]
+        dequantizing each weight before the multiply ~1.5x, measured). Rows [R, K] -> [R, N] (a slots decode: R
+        conversations of one token each) the same way per row: every index counts from the right, so one row
+        ([K]) traces exactly the graph it always did."""
+        lead = row.shape[:-1]  # () or (R,)
+        blocks = row.view(*lead, -1, 32)  # [..., G, 32]
         if self.fmt == "q8_0":
-            dot = (blocks[None, :, :, None] * self.q.float()).sum(2)  # [T, G, lane]: x . q per block
+            dot = (blocks[..., None, :, :, None] * self.q.float()).sum(-2)  # [..., T, G, lane]: x . q per block
         else:
             # byte b = lo + 16 hi holds inputs 2j (lo) and 2j+1 (hi): x_even lo + x_odd hi
             # = (x_odd / 16) b + (x_even - x_odd / 16) lo, so each byte costs two conversions and two multiply-adds
             # (no per-weight subtraction); the two coefficients per byte are computed once per token, into a
             # buffer of their own (3072x576 Q4_1: 80 vs 90 us, alternated, stop 44)
-            pairs = row.view(-1, 16, 2)  # [G, 16, (even, odd)]
+            pairs = row.view(*lead, -1, 16, 2)  # [..., G, 16, (even, odd)]
             odd16 = pairs[..., 1] * 0.0625  # exact: a power of two
-            coef = _materialized(torch.stack([odd16, pairs[..., 0] - odd16], -1))[None, :, :, :, None]
+            coef = _materialized(torch.stack([odd16, pairs[..., 0] - odd16], -1))[..., None, :, :, :, None]
             b = self.q.to(torch.int32)  # widened once, then masked: one widening a byte, not two (3072x576: -6 %)
             lo = (b & 15).float()  # [T, G, 16, lane]
-            dot = (coef[:, :, :, 0] * b.float() + coef[:, :, :, 1] * lo).sum(2)  # [T, G, lane]
+            dot = (coef[..., 0, :] * b.float() + coef[..., 1, :] * lo).sum(-2)  # [..., T, G, lane]
             if self.fmt == "q4_0":
-                dot = dot - 8 * blocks.sum(-1)[None, :, None]
+                dot = dot - 8 * blocks.sum(-1)[..., None, :, None]
         y = dot * self.d.float()
         if self.m is not None:
-            y = y + blocks.sum(-1)[None, :, None] * self.m.float()
-        return y.sum(1).reshape(-1)[: self.out_features]  # [N]
+            y = y + blocks.sum(-1)[..., None, :, None] * self.m.float()
+        return y.sum(-2).reshape(*lead, -1)[..., : self.out_features]  # [..., N]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x).float()  # [M, K]
         m_rows = rows.shape[0]
         if isinstance(m_rows, int) and m_rows == 1:  # decode (a trace-time size): one pass over the tiles
             y = self._decode(_materialized(rows[0]))[None]  # [1, N]
+        elif x.dim() == 3 and isinstance(x.shape[1], int) and x.shape[1] == 1:
+            # a slots decode (x [R, 1, K], R symbolic): every row through the one-token path, not a dequantized
+            # weight per call. SmolLM2 Q4_1, aoti, 4 slots (stop 50): a step of R rows dequantizing the weights
+            # took 52-77 ms at R = 1 and 120-134 at R = 4
+            y = self._decode(_materialized(rows))  # [R, N]
         else:
             y = (rows @ self.weight_t())[:, : self.out_features]  # [M, N]
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)

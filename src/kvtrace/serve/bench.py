@@ -202,12 +202,13 @@ def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[st
 def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2, 4, 8), requests_per_client: int = 2,
                     new_tokens: int = 128, max_seq_len: int = 1024, backend: str = SERVE_BACKEND, baseline_runs: int = 3,
                     check: bool = True, threads: int | None = None, huge_pages: bool = False,
-                    kv_dtype: str | None = None,
+                    kv_dtype: str | None = None, quant: str | None = None,
                     progress: Callable[[str], Any] | None = None) -> dict[str, Any]:
     """Measure ``kvtrace serve`` (see the module docstring); returns a JSON-able dict with ``levels``.
     ``threads``: torch threads of the server and baseline processes (OMP_NUM_THREADS; None: torch's default);
     ``huge_pages``: both load the artifact with ``--huge-pages``; ``kv_dtype`` ("int8"): both artifacts (the
-    served one and the batch-1 one of the baseline and the reference answers) hold that cache."""
+    served one and the batch-1 one of the baseline and the reference answers) hold that cache; ``quant`` ("int8",
+    ...): both hold weights quantized so (``export``'s ``quant``)."""
     import contextlib
 
     import torch
@@ -217,9 +218,10 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
     progress = progress or (lambda what: contextlib.nullcontext())
     slots = max(clients)
     with progress("building the batch-1 and slots artifacts (cached)"):
-        plain = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, progress=None, kv_dtype=kv_dtype)
+        plain = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, progress=None, kv_dtype=kv_dtype,
+                                quant=quant)
         served = cached_artifact(model, backend=backend, max_seq_len=max_seq_len, slots=slots if slots > 1 else None,
-                                 progress=None, kv_dtype=kv_dtype)
+                                 progress=None, kv_dtype=kv_dtype, quant=quant)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **({} if threads is None else {"OMP_NUM_THREADS": str(threads)})}
     extra = ["--huge-pages"] if huge_pages else []
     def baseline() -> list[float]:
@@ -278,7 +280,7 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
         "model": model or "smollm2-135m-instruct", "backend": backend, "slots": slots, "new_tokens": new_tokens,
         "requests_per_client": requests_per_client, "max_seq_len": max_seq_len,
         "threads": threads if threads is not None else torch.get_num_threads(), "huge_pages": huge_pages,
-        "kv_dtype": kv_dtype, "served_cache_mib": round(served_cache / 2**20, 3),
+        "kv_dtype": kv_dtype, "quant": quant, "served_cache_mib": round(served_cache / 2**20, 3),
         "kvtrace_run_decode_tok_s": round(baseline, 2), "kvtrace_run_runs": [round(b, 2) for b in base],
         "single_client_decode_vs_run": round(levels[0].decode_tok_s_p50 / baseline, 3) if levels and baseline else None,
         "checked_against_solo": check,
@@ -302,6 +304,7 @@ def render_markdown(data: dict[str, Any]) -> str:
     rows.append(f"`kvtrace run` decode: {data['kvtrace_run_decode_tok_s']:.1f} tok/s (median of "
                 f"{data['kvtrace_run_runs']}); one client through the server: "
                 f"{data['single_client_decode_vs_run']}x of it. {data['model']}, {data['backend']}, "
+                f"{data.get('quant') or 'unquantized'} weights, "
                 f"{data['slots']} slots ({data.get('kv_dtype') or 'model-dtype'} KV cache, "
                 f"{data.get('served_cache_mib', '?')} MiB), {data['new_tokens']} tokens per request, "
                 f"{data['threads']} threads.")
