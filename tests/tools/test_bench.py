@@ -108,9 +108,12 @@ def test_bench_kv_dtype_list_is_checked(capsys):
     with pytest.raises(SystemExit) as e:
         main(["bench", "--kv-dtype", "auto,int4"])
     assert e.value.code == 2 and "--kv-dtype" in capsys.readouterr().err
-    assert main(["bench", "--serve", "--kv-dtype", "int8"]) == 2
+    assert main(["bench", "--serve", "--kv-dtype", "auto,int8"]) == 2  # one cache per serve bench (stop 50)
     (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
-    assert "--kv-dtype" in line and "drop it" in line
+    assert "a --kv-dtype list" in line and "drop it" in line
+    assert main(["bench", "--serve", "--quant", "none,int8"]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "error" in x]
+    assert "a --quant list" in line and "drop it" in line
 
 
 def test_the_bound_of_xnnpacks_8da4w_counts_what_xnnpack_reads():

@@ -208,8 +208,10 @@ def export(
         slots: N conversation slots (``kvtrace serve``): the cache holds N independent rows
             (``CacheSpec.batch_size = N``) and the programs are ``step.SLOT_PROGRAMS`` — prefill one slot,
             decode any set of slots, each row at its own position (``ProgramSpec.slots``); such an artifact
-            runs under ``kvtrace.SlotEngine`` (``Artifact.slot_engine()``), not a Session. Llama-family
-            decoders with full-attention layers; None (default): an ordinary artifact of ``batch_size`` rows.
+            runs under ``kvtrace.SlotEngine`` (``Artifact.slot_engine()``), not a Session. Text decoders
+            (``llama``, ``gemma``, the general HF path) of full and sliding layers, model-dtype or int8 K/V
+            (``models.step.slot_programs`` names what it refuses); None (default): an ordinary artifact of
+            ``batch_size`` rows.
         progress: ``progress(what)`` returns a context manager around each phase (the CLI shows them);
             None for none.
     """

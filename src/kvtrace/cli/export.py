@@ -49,7 +49,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--slots", type=POSITIVE, default=None, metavar="N",
                    help="N conversation slots for `kvtrace serve --parallel N`: a cache of N rows and programs that "
                         "prefill one slot and decode all active slots together, each at its own position "
-                        "(llama-family models)")
+                        "(text decoders of full and sliding layers, int8 caches too; not the vision decoder)")
     kv_dtype_arg(p)
     device_arg(p, what="the device the programs are compiled for: cpu (default), or cuda (AOTInductor compiles CUDA "
                        "kernels; needs a GPU here and where the artifact runs)")
