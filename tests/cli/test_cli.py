@@ -234,6 +234,17 @@ def test_debug_shows_traceback(capsys):
         main(["generate", "hi", "--model", "/nonexistent/model", "--debug"])
 
 
+def test_verify_fits_its_exports_to_a_model_built_for_fewer_than_256_positions(hf_dir, capsys):
+    """The tiny model holds 64 positions: without --max-seq-len the exports verify over a cache of 64, not the
+    default 256 its export would refuse; a --max-seq-len asked for past it is refused by name."""
+    code = main(["verify", str(hf_dir), "--against", "exported", "--steps", "2", "--raw", "--prompt", "hello world"])
+    assert code == 0, capsys.readouterr()
+    assert capsys.readouterr().out.rstrip().endswith("PASS")
+    assert main(["verify", str(hf_dir), "--against", "exported", "--steps", "2", "--raw", "--prompt", "hello",
+                 "--max-seq-len", "100"]) == 1
+    assert "max_seq_len 100 exceeds the model's max_position_embeddings 64" in capsys.readouterr().out
+
+
 def test_verify_command_passes_and_writes_json(hf_dir, tmp_path, capsys):
     out = tmp_path / "report.json"
     code = main(["verify", str(hf_dir), "--against", "jit-eager,exported", "--steps", "2", "--raw",

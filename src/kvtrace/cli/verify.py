@@ -51,7 +51,9 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="int8 caches and quantized weights: judge with the fixed tolerances alone (by default a "
                         "candidate may also pass a tensor within the tolerance + 2x the reference's own noise floor, "
                         "measured by two more eager runs of it with its linear layers summed differently)")
-    p.add_argument("--max-seq-len", type=POSITIVE, default=256)
+    p.add_argument("--max-seq-len", type=POSITIVE, default=None,
+                   help="the cache of the --against exports (default 256, or the model's max_position_embeddings "
+                        "where that is less; at least the longest prompt plus --steps)")
     p.add_argument("--raw", dest="chat", action="store_false", default=True)
     p.add_argument("--image-features", default=None, metavar="FILE.safetensors",
                    help="vision decoders: cross_attention_states [1, N, dim]; every prompt runs with this image, "

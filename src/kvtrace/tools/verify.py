@@ -55,6 +55,8 @@ from kvtrace.spec.tolerances import (
 )
 from kvtrace.tools.runners import EagerRunner, JitRunner, LayerKV, Prompt, Runner, SessionRunner, Unavailable
 
+DEFAULT_MAX_SEQ_LEN = 256  # the --against exports' cache when --max-seq-len is not given (run_cli_verify)
+
 __all__ = ["EagerRunner", "JitRunner", "NoiseFloor", "Prompt", "Runner", "SessionRunner", "StepRow", "Unavailable",
            "VerifyReport", "verify"]
 
@@ -518,7 +520,12 @@ def run_cli_verify(args: Any, step: Any) -> VerifyReport:
     ids = [encode_prompt(tok, text, chat=args.chat, template=lm.chat_template, bos_id=lm.bos_id, eos_ids=lm.eos_ids,
                          require_template=False) for text in _prompts(args)]
     longest = max(len(i) for i in ids) + args.steps
-    max_seq_len = max(args.max_seq_len, longest)
+    asked = getattr(args, "max_seq_len", None)
+    if asked is None:  # 256, unless the model was built for fewer positions (its export would refuse 256)
+        from kvtrace.spec.config import max_positions
+
+        asked = min(DEFAULT_MAX_SEQ_LEN, max_positions(lm.model.config) or DEFAULT_MAX_SEQ_LEN)
+    max_seq_len = max(asked, longest)
     prompts: list[Prompt] = [Prompt(i) for i in ids]
     image_tokens = None
     if getattr(args, "image_features", None):
