@@ -75,6 +75,10 @@ VARIANTS = (
     "tests/tools/test_lint.py::test_lint_reports_a_planted_length[branch-on-length]",
     *(f"tests/tools/test_lint_sliding.py::test_crossing_and_wrapping_the_window_is_clean_with_one_program_per_regime[{f}]"
       for f in ("mistral", "qwen2")),
+    # slots artifacts: Gemma 2's hybrid ring + full cache stays in the default suite (and the schedule fuzz's int8 one)
+    *(f"tests/runtime/test_slots.py::test_slots_artifacts_of_sliding_int8_and_other_families_answer_as_solo_runs[{f}]"
+      for f in ("mistral-sliding-int8", "hf-gpt_neox")),
+    "tests/models/test_quant.py::test_a_gguf_native_slots_artifact_answers_as_solo_runs",  # the rows path: unit-tested
 )
 
 
