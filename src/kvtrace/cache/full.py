@@ -18,7 +18,7 @@ import torch
 from kvtrace.cache.kinds import PAST, KindOps
 from kvtrace.spec.cache import LayerKind
 
-__all__ = ["OPS", "SELF", "FullOps", "live"]
+__all__ = ["OPS", "SELF", "FullOps", "live", "position_mask"]
 
 SELF = "self"  # HF layer-pattern label: a self-attention layer holding P past tokens (or none yet)
 
@@ -39,6 +39,15 @@ def live(cache: torch.Tensor, key_pos: torch.Tensor | None, view: bool) -> torch
     if view:
         return cache[:, :, : key_pos.shape[0]]
     return cache.index_select(2, key_pos)
+
+
+def position_mask(key_pos: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+    """What a full layer's queries see: key slot j is visible to query i iff j <= input_pos[i], so stale slots
+    past the position stay hidden. key_pos [L] (or all S slots), input_pos [T] -> mask [T, L]; per row (a slots
+    program) input_pos [R, T] -> [R, 1, T, L], broadcast over heads. The rank is a trace-time fact."""
+    if input_pos.dim() == 1:
+        return key_pos[None, :] <= input_pos[:, None]
+    return (key_pos[None, None, :] <= input_pos[:, :, None])[:, None]
 
 
 class FullOps(KindOps):

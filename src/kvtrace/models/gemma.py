@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import attend
+from kvtrace.cache import attend, full
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama import LENGTH_DEPENDENT_ROPE, _rope, _rope_table
 from kvtrace.models.registry import Family
@@ -229,10 +229,8 @@ class GemmaDecoder(Step):
         x = self.tok_embeddings(tokens) * self.embed_scale  # [B, T, dim]
         cos, sin = self.rope_cos[:, input_pos], self.rope_sin[:, input_pos]  # [tables, T, D] ([tables, R, T, D])
         keys = key_pos if key_pos is not None else torch.arange(self.cache_spec.max_seq_len, device=tokens.device)
-        if slots is None:
-            mask = keys[None, :] <= input_pos[:, None]  # [T, L]: key j visible to query i iff j <= input_pos[i]
-        else:  # each row by its own positions: [R, 1, T, L]; RoPE per row, broadcast over heads
-            mask = (keys[None, None, :] <= input_pos[:, :, None])[:, None]
+        mask = full.position_mask(keys, input_pos)  # [T, L]; per row [R, 1, T, L]
+        if slots is not None:  # RoPE per row, broadcast over heads
             cos, sin = cos[:, :, None], sin[:, :, None]  # [tables, R, 1, T, D]
         for i, layer in enumerate(self.layers):
             j = a.rope_of[i]

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import attend, sliding
+from kvtrace.cache import attend, full, sliding
 from kvtrace.cache.kinds import kind_of
 from kvtrace.spec.cache import CacheSpec
 
@@ -108,10 +108,7 @@ class KvCache:
         if self._full_mask is None:
             keys = self.key_pos if self.key_pos is not None else torch.arange(
                 self.spec.max_seq_len, device=self.input_pos.device)
-            # key j is visible to query i iff j <= input_pos[i]: stale slots past the position stay hidden
-            self._full_mask = keys <= self.input_pos[..., :, None]  # [T, S or L]; per row [R, T, L]
-            if self.slots is not None:
-                self._full_mask = self._full_mask[:, None]  # [R, 1, T, L], broadcast over heads
+            self._full_mask = full.position_mask(keys, self.input_pos)  # [T, S or L]; per row [R, 1, T, L]
         return self._full_mask
 
     def mask_for(self, module: Any, sliding_window: int | None) -> torch.Tensor:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvtrace._errors import UnsupportedError
-from kvtrace.cache import attend
+from kvtrace.cache import attend, full
 from kvtrace.models import fused
 from kvtrace.models.hf_generic import hf_cache_spec
 from kvtrace.models.llama_args import LENGTH_DEPENDENT_ROPE, MODEL_TYPES, LlamaArgs, read_args, supports
@@ -208,10 +208,8 @@ class LlamaDecoder(Step):
             sin = torch.where(long, self.rope_sin_long[input_pos], sin)
         keys = key_pos if key_pos is not None else torch.arange(self.cache_spec.max_seq_len, device=tokens.device)
         # key j is visible to query i iff j <= input_pos[i]; stale slots past the position stay hidden
-        if slots is None:
-            mask = keys[None, :] <= input_pos[:, None]  # [T, L] (L = S without key_pos)
-        else:  # each row by its own positions: [R, 1, T, L]; RoPE per row, broadcast over heads
-            mask = (keys[None, None, :] <= input_pos[:, :, None])[:, None]
+        mask = full.position_mask(keys, input_pos)  # [T, L] (L = S without key_pos); per row [R, 1, T, L]
+        if slots is not None:  # RoPE per row, broadcast over heads
             cos, sin = cos[:, None], sin[:, None]  # [R, 1, T, D_rot]
         for i, layer in enumerate(self.layers):
             kv = self.cache_spec.layer_state(state, i)  # k, v (+ an int8 cache's scales)

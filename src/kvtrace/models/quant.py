@@ -366,7 +366,7 @@ class GGUFLinear(nn.Module):
         elif x.dim() == 3 and isinstance(x.shape[1], int) and x.shape[1] == 1:
             # a slots decode (x [R, 1, K], R symbolic): every row through the one-token path, not a dequantized
             # weight per call. SmolLM2 Q4_1, aoti, 4 slots (stop 50): a step of R rows dequantizing the weights
-            # took 52-77 ms at R = 1 and 120-134 at R = 4
+            # took 52-91 ms at R = 1 and 120-134 at R = 4
             y = self._decode(_materialized(rows))  # [R, N]
         else:
             y = (rows @ self.weight_t())[:, : self.out_features]  # [M, N]
