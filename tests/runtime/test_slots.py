@@ -30,6 +30,46 @@ def exported(tmp_path_factory):
     return kvtrace.load(d / "solo.kvt"), kvtrace.load(d / "slots.kvt")
 
 
+def _held_slots(spec, state, position):
+    """Per layer, the slots of a batch-1 ``state`` holding data at ``position`` (``KindOps.valid``): k, v (raw int8
+    for an int8 cache) and, int8, the scales."""
+    from kvtrace.cache.kinds import kind_of
+
+    out = []
+    for i, layer in enumerate(spec.layers):
+        st = spec.layer_state(state, i)
+        kind = kind_of(layer)
+        out += kind.valid(st.k, st.v, position, False)
+        if st.scales is not None:
+            out += kind.valid(*st.scales, position, False)
+    return out
+
+
+def assert_free_rows_hold_their_tokens(engine: SlotEngine, solo) -> None:
+    """The prefix cache's invariant: every free row holds what a solo prefill of its ``held`` tokens writes (the
+    slots holding data at that position; int8 values may sit one step away, as a batched call rounds them), and a
+    row holding no tokens is at its initial values. Then ``reset()`` brings every row back to them."""
+    spec, buffers = engine.spec, engine.spec.buffers()
+    for slot in engine.free:
+        row = [t[slot : slot + 1] for t in engine.state]  # [1, H_kv, S, D] each
+        held = list(engine.held(slot))
+        if not held:
+            assert all(bool((t == b.init).all()) for t, b in zip(row, buffers, strict=True)), f"empty row {slot}"
+            continue
+        s = solo.session()
+        s.prefill(torch.tensor([held]))
+        for mine, theirs in zip(_held_slots(spec, row, len(held)), _held_slots(solo.cache_spec, s.state, len(held)),
+                                strict=True):
+            if mine.dtype == torch.int8:
+                step = (mine.int() - theirs.int()).abs()
+                assert int(step.max()) <= 1 and float((step > 0).float().mean()) < 0.02, f"row {slot}"
+            else:
+                torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4, msg=lambda m, s=slot: f"row {s}: {m}")
+    engine.reset()
+    assert all(bool((t == b.init).all()) for t, b in zip(engine.state, buffers, strict=True))
+    assert all(engine.held(i) == () for i in range(engine.n_slots))
+
+
 def run_staggered(engine: SlotEngine, requests: list[SlotRequest], join_every: int = 2) -> dict[int, list[int]]:
     """Admit one request every ``join_every`` steps while slots are free (requests join mid-stream);
     returns request index -> tokens. Checks that every request finished exactly once."""
@@ -84,7 +124,7 @@ def test_greedy_outputs_equal_solo_runs_with_requests_joining_mid_stream(exporte
     for i, (p, m) in enumerate(zip(prompts, maxes, strict=True)):
         assert out[i] == generate(solo.session(), p, max_new_tokens=m).tokens, f"request {i}"
     assert engine.active == () and engine.free == tuple(range(SLOTS))
-    assert all(bool((t == 0).all()) for t in engine.state), "freed slots are reset to the initial values"
+    assert_free_rows_hold_their_tokens(engine, solo)
 
 
 def test_seeded_sampling_and_stop_ids_per_request_equal_solo(exported):
@@ -129,7 +169,7 @@ def test_max_seq_len_is_checked_per_slot_before_anything_runs(exported):
 
 def test_all_slots_busy_is_refused_and_cancel_frees_and_resets_a_slot(exported):
     _, art = exported
-    engine = art.slot_engine()
+    engine = art.slot_engine(prefix_cache=False)  # freed rows are reset at once
     slots = [engine.admit(SlotRequest([5, 6, 7], max_tokens=40))[0] for _ in range(SLOTS)]
     assert sorted(slots) == list(range(SLOTS)) and engine.free == ()
     with pytest.raises(UsageError, match=f"all {SLOTS} slots are busy"):
@@ -148,7 +188,7 @@ def test_all_slots_busy_is_refused_and_cancel_frees_and_resets_a_slot(exported):
 @pytest.mark.parametrize("chunk", [1, 4, 7])
 def test_chunked_prefill_outputs_equal_solo_runs_with_requests_joining_mid_stream(exported, chunk):
     """prefill_chunk=C: prompts longer than C are prefilled C tokens per call, between decode steps; every
-    answer is still the solo run's, and the freed slots are reset."""
+    answer is still the solo run's, and the freed rows hold their tokens."""
     solo, art = exported
     prompts = _prompts((5, 11, 3, 20, 7, 2, 9, 30), seed=6)
     maxes = [12, 6, 20, 9, 15, 30, 4, 25]
@@ -156,12 +196,13 @@ def test_chunked_prefill_outputs_equal_solo_runs_with_requests_joining_mid_strea
     out = run_staggered(engine, [SlotRequest(p, max_tokens=m) for p, m in zip(prompts, maxes, strict=True)])
     for i, (p, m) in enumerate(zip(prompts, maxes, strict=True)):
         assert out[i] == generate(solo.session(), p, max_new_tokens=m).tokens, f"request {i}"
-    assert engine.active == () and all(bool((t == 0).all()) for t in engine.state)
+    assert engine.active == ()
+    assert_free_rows_hold_their_tokens(engine, solo)
 
 
 def test_each_step_prefills_at_most_one_chunk_while_the_others_decode(exported):
     _, art = exported
-    whole, chunked = art.slot_engine(), art.slot_engine(prefill_chunk=8)
+    whole, chunked = art.slot_engine(prefix_cache=False), art.slot_engine(prefill_chunk=8, prefix_cache=False)
     short, long_ = _prompts((4, 30), seed=7)
     wshort, wev_short = whole.admit(SlotRequest(short, max_tokens=20))
     wslot, wev = whole.admit(SlotRequest(long_, max_tokens=5))
@@ -202,6 +243,84 @@ def test_a_batch_1_artifact_runs_as_one_slot(exported):
     assert out[1] == generate(solo.session(), p[:3], max_new_tokens=5).tokens
     # its prefill program at positions past 0: chunked prefill
     assert run_staggered(solo.slot_engine(prefill_chunk=4), [SlotRequest(p, max_tokens=10)])[0] == out[0]
+
+
+def _answer(engine: SlotEngine, request: SlotRequest) -> tuple[int, int, list[int]]:
+    """Admit ``request`` and step until it finishes: (its slot, prompt tokens kept from the row, its tokens)."""
+    slot, ev = engine.admit(request)
+    cached, tokens, events = engine.last_step.cached_tokens, [], [ev] if ev is not None else []
+    while True:
+        for ev in events:  # only this request runs
+            tokens += [ev.token] if ev.token is not None else []
+            if ev.finish is not None:
+                return slot, cached, tokens
+        events = engine.step()
+
+
+def test_prefix_cache_keeps_the_longest_held_prefix_and_answers_as_solo_runs(exported):
+    """A freed row keeps the K/V of its prompt and fed-back output; a request that begins alike takes that row and
+    prefills only the rest (a chat's next turn: all of the earlier conversation); others take an empty row, then
+    the one freed longest ago. Every answer is its solo run's."""
+    solo, art = exported
+    engine = art.slot_engine()
+    a, b, c = _prompts((12, 9, 7), seed=11)
+
+    def solo_of(p, n):
+        return generate(solo.session(), p, max_new_tokens=n).tokens
+
+    slot, cached, out = _answer(engine, SlotRequest(a, max_tokens=6))
+    assert (slot, cached, out) == (0, 0, solo_of(a, 6))
+    assert engine.held(0) == tuple(a + out[:5])  # max_tokens: the last token was sampled, never fed
+    turn2 = a + out + [7, 8, 9]  # the next turn: the conversation so far and a new message
+    slot, cached, out2 = _answer(engine, SlotRequest(turn2, max_tokens=5))
+    assert (slot, cached, engine.held(0)[: len(turn2)]) == (0, 17, tuple(turn2)) and out2 == solo_of(turn2, 5)
+    assert _answer(engine, SlotRequest(b, max_tokens=4))[:2] == (1, 0)  # unrelated: an empty row, row 0 kept
+    slot, cached, out3 = _answer(engine, SlotRequest(a[:8] + c, max_tokens=4))  # diverges after 8 tokens
+    assert (slot, cached, out3) == (0, 8, solo_of(a[:8] + c, 4))
+    held = list(engine.held(0))
+    slot, cached, out4 = _answer(engine, SlotRequest(held, max_tokens=3))  # all of it again: all but one kept
+    assert (slot, cached, out4) == (0, len(held) - 1, solo_of(held, 3))
+    engine.admit(SlotRequest(c, max_tokens=3))  # rows 2, 3 were empty: taken first
+    assert engine.last_step.cached_tokens == 0 and engine.active == (2,)
+    assert_free_rows_hold_their_tokens(engine, solo)  # and reset() empties them
+
+    # every row held: a request without a reusable prefix takes the row freed longest ago
+    for p in _prompts((5, 6, 7, 8), seed=12):
+        _answer(engine, SlotRequest(p, max_tokens=2))
+    assert _answer(engine, SlotRequest(b, max_tokens=2))[:2] == (0, 0)
+    assert _answer(engine, SlotRequest(c, max_tokens=2))[:2] == (1, 0)
+
+    off = art.slot_engine(prefix_cache=False)  # freed rows reset, nothing kept
+    _answer(off, SlotRequest(a, max_tokens=6))
+    slot, cached, out2_off = _answer(off, SlotRequest(turn2, max_tokens=5))
+    assert (cached, off.held(slot), out2_off) == (0, (), out2)
+    assert all(bool((t == 0).all()) for t in off.state)
+
+
+def test_prefix_cache_of_a_sliding_ring_keeps_a_prefix_only_where_the_ring_still_holds_it(tmp_path):
+    """Past its window a ring holds only the last W positions: a prompt that extends the whole held conversation
+    keeps it all, one that diverges inside it keeps nothing (KindOps.max_rewind); a conversation within the window
+    keeps any prefix. Answers as solo runs throughout."""
+    m = tiny_model("mistral", sliding_window=8)
+    kvtrace.export(m, tmp_path / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last")
+    kvtrace.export(m, tmp_path / "slots.kvt", max_seq_len=MAX_SEQ, slots=2, prefill_logits="last")
+    solo, art = kvtrace.load(tmp_path / "solo.kvt"), kvtrace.load(tmp_path / "slots.kvt")
+    engine = art.slot_engine(prefill_chunk=4)
+    a, b = _prompts((14, 3), seed=13)
+
+    def solo_of(p, n):
+        return generate(solo.session(), p, max_new_tokens=n).tokens
+
+    _, _, out = _answer(engine, SlotRequest(a, max_tokens=5))  # 18 positions held: the ring has wrapped
+    turn2 = a + out + [9, 10]
+    assert _answer(engine, SlotRequest(turn2, max_tokens=4))[1:] == (18, solo_of(turn2, 4))
+    diverging = a[:10] + b
+    assert _answer(engine, SlotRequest(diverging, max_tokens=4))[1:] == (0, solo_of(diverging, 4))
+    engine.reset()
+    short = a[:4]  # 4 + 3 - 1 = 6 positions held, within the window of 8
+    _answer(engine, SlotRequest(short, max_tokens=3))
+    assert _answer(engine, SlotRequest(a[:2] + b, max_tokens=3))[1:] == (2, solo_of(a[:2] + b, 3))
+    assert_free_rows_hold_their_tokens(engine, solo)
 
 
 def test_text_and_stop_strings(tmp_path):
@@ -341,7 +460,7 @@ def test_slots_artifacts_of_sliding_int8_and_other_families_answer_as_solo_runs(
         engine = art.slot_engine(prefill_chunk=chunk)
         out = run_staggered(engine, [SlotRequest(p, max_tokens=n) for p, n in zip(prompts, maxes, strict=True)])
         assert [out[i] for i in range(len(prompts))] == solo_out, f"prefill_chunk={chunk}"
-        assert all(bool((t == b.init).all()) for t, b in zip(engine.state, art.cache_spec.buffers(), strict=True))
+        assert_free_rows_hold_their_tokens(engine, solo)
     # one slot driven like a Session under verify: logits and every cache layer (rings, int8) against eager
     # (an int8 cache: against the same decoder with the same cache, eager: ``verify_by_cache``)
     from kvtrace.tools.runners import EagerRunner, SessionRunner
@@ -386,7 +505,7 @@ def test_aoti_slot_artifact_matches_solo_runs(tmp_path, backend):
     out = run_staggered(engine, [SlotRequest(p, max_tokens=m) for p, m in zip(prompts, maxes, strict=True)])
     for i, (p, m) in enumerate(zip(prompts, maxes, strict=True)):
         assert out[i] == generate(solo.session(), p, max_new_tokens=m).tokens, f"request {i}"
-    assert all(bool((t == 0).all()) for t in engine.state)
+    assert_free_rows_hold_their_tokens(engine, solo)
 
 
 def test_verify_checks_one_slot_of_a_slots_artifact_against_eager(exported):
@@ -422,22 +541,35 @@ def hybrid_int8(tmp_path_factory):
     return kvtrace.load(d / "solo.kvt"), kvtrace.load(d / "slots.kvt"), {}
 
 
+_BASE = list(range(40, 64))  # a prompt opening several requests share (a system prompt, say)
+
+
 def _schedule():
     from hypothesis import strategies as st
 
-    request = st.tuples(st.lists(st.integers(3, 127), min_size=1, max_size=20), st.integers(1, 12),
-                        st.integers(0, 8))  # prompt (longer than the window too), max_tokens, the step it arrives
+    tail = st.lists(st.integers(3, 127), min_size=1, max_size=6)
+    prompt = st.one_of(  # a follow-up of request k (mostly after it ended); a shared opening; fresh (longer than
+        st.tuples(st.just("follow"), st.integers(0, 5), tail),  # the window too)
+        st.tuples(st.just("shared"), st.integers(1, len(_BASE)), tail),
+        st.tuples(st.just("fresh"), st.lists(st.integers(3, 127), min_size=1, max_size=20)))
+    request = st.tuples(prompt, st.integers(1, 12), st.integers(0, 10))  # prompt, max_tokens, the step it arrives
     return st.tuples(st.lists(request, min_size=1, max_size=6), st.sampled_from([None, 1, 3, 8]),
                      st.one_of(st.none(), st.tuples(st.integers(0, 5), st.integers(0, 12))))  # cancel (who, when)
 
 
-def test_random_schedules_answer_as_solo_runs(hybrid_int8):
+@pytest.mark.parametrize("which", ["hybrid_int8", "exported"])
+def test_random_schedules_answer_as_solo_runs(request, which):
     """Random arrivals, prompt lengths (rings wrapped or not), max_tokens, prefill chunks and a cancel: every request
-    answers as its solo run (a cancelled one: a prefix of it), and the engine ends with every row at its initial
-    values. Sliding and full layers, int8 K/V: the rows of update_rows never mix."""
+    answers as its solo run (a cancelled one: a prefix of it), and the engine ends with every free row holding its
+    tokens (the prefix cache). Prompts open alike or follow up an earlier request (its prompt, its solo answer and
+    more), so rows are reused at every prefix length. Sliding and full layers, int8 K/V: the rows of update_rows
+    never mix, and a kept prefix is the one a solo prefill would have written."""
     from hypothesis import HealthCheck, given, settings
 
-    solo, art, memo = hybrid_int8
+    solo, art, *memo = request.getfixturevalue(which)  # and Llama's full-attention layers, 4 slots
+    memo = memo[0] if memo else {}
+    limit = art.cache_spec.max_seq_len
+    reused = []
 
     def alone(prompt, n):
         key = (tuple(prompt), n)
@@ -449,7 +581,20 @@ def test_random_schedules_answer_as_solo_runs(hybrid_int8):
               suppress_health_check=[HealthCheck.too_slow])
     @given(_schedule())
     def run(case):
-        requests, chunk, cancel = case
+        drawn, chunk, cancel = case
+        requests = []  # (prompt, max_tokens, arrival), the prompts built in order (a follow-up reads an earlier one)
+        for how, n, at in drawn:
+            if how[0] == "fresh":
+                p = how[1]
+            elif how[0] == "shared":
+                p = _BASE[: how[1]] + how[2]
+            elif requests:
+                prev, m, prev_at = requests[how[1] % len(requests)]
+                p = prev + alone(prev, m) + how[2]
+                at = max(at, prev_at + m + 2)  # usually once it has answered (a chat's next turn)
+            else:
+                p = how[2]
+            requests.append((p[: limit - n], n, at))
         engine = art.slot_engine(prefill_chunk=chunk)
         out: dict[int, list[int]] = {}
         owner: dict[int, int] = {}
@@ -470,6 +615,7 @@ def test_random_schedules_answer_as_solo_runs(hybrid_int8):
                 i = pending.pop(0)
                 slot, ev = engine.admit(SlotRequest(requests[i][0], max_tokens=requests[i][1]))
                 owner[slot], out[i] = i, []
+                reused.append(engine.last_step.cached_tokens)
                 if ev is not None:
                     take(ev)
             if cancel is not None and step == cancel[1] and cancelled is None and engine.active:
@@ -486,6 +632,7 @@ def test_random_schedules_answer_as_solo_runs(hybrid_int8):
                 assert out[i] == ref[: len(out[i])], f"cancelled request {i}"
             else:
                 assert out[i] == ref, f"request {i} of {requests}, chunk {chunk}"
-        assert all(bool((t == b.init).all()) for t, b in zip(engine.state, art.cache_spec.buffers(), strict=True))
+        assert_free_rows_hold_their_tokens(engine, solo)
 
     run()
+    assert sum(n > 0 for n in reused) >= len(reused) // 10, "the schedules exercise the prefix cache"

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 from tests.conftest import make_tiny_hf_dir
+from tests.runtime.test_slots import assert_free_rows_hold_their_tokens
 
 import kvtrace
 from kvtrace.runtime.generate import Sampling, generate
@@ -120,6 +121,28 @@ def test_chat_completion_equals_a_solo_run(server, client):
     r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=7, temperature=0)
     flat = [{**m, "content": "sat"} if isinstance(m["content"], list) else m for m in msgs]
     assert r.choices[0].message.content == server.solo_text(server.chat_ids(flat), 7)[0]
+
+
+def test_a_chats_next_turn_is_prefilled_after_the_conversation_its_slot_holds(server, client):
+    """The prefix cache over HTTP: turn 2 re-sends turn 1 and its answer; the slot that served turn 1 still holds
+    them, so only the new tokens are prefilled (usage.prompt_tokens_details.cached_tokens, /metrics), and the
+    answer is still the solo run's."""
+    def cached_total() -> float:
+        line = [x for x in httpx.get(server.url + "/metrics").text.splitlines()
+                if x.startswith("kvtrace_prompt_tokens_cached_total ")]
+        return float(line[0].split()[1])
+
+    wait_idle(server)
+    msgs = [{"role": "user", "content": "the cat sat on the world"}]
+    r1 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    msgs += [{"role": "assistant", "content": r1.choices[0].message.content}, {"role": "user", "content": "hello"}]
+    before = cached_total()
+    r2 = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0)
+    first, second = server.chat_ids(msgs[:1]), server.chat_ids(msgs)
+    cached = r2.usage.prompt_tokens_details.cached_tokens
+    assert len(first) <= cached < len(second) == r2.usage.prompt_tokens, "turn 1's prompt at least was kept"
+    assert r2.choices[0].message.content == server.solo_text(second, 6)[0]
+    assert cached_total() - before == cached
 
 
 def test_chat_streaming_equals_non_streaming(server, client):
@@ -254,7 +277,8 @@ def test_a_client_that_disconnects_frees_its_slot(server, monkeypatch):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": False}, timeout=0.5)
     wait_idle(server, timeout=3)
-    assert all(bool((t == 0).all()) for t in server.app.state.engine.state)
+    engine = server.app.state.engine
+    assert engine.active == () and engine.free == tuple(range(SLOTS))  # freed (kept for the prefix cache)
 
 
 def test_a_full_queue_is_429(server, monkeypatch):
@@ -302,7 +326,8 @@ def _rss_mib() -> float:
 
 def test_load_32_requests_from_8_clients_all_equal_solo_runs(server):
     """32 requests of different lengths from 8 concurrent clients, streaming and not, chat and completions; every
-    answer equals a solo run; afterwards every slot is free and reset, nothing queued, memory back to idle."""
+    answer equals a solo run; afterwards every slot is free and holds its last conversation, nothing queued, memory
+    back to idle."""
     from openai import OpenAI
 
     wait_idle(server)
@@ -348,7 +373,7 @@ def test_load_32_requests_from_8_clients_all_equal_solo_runs(server):
     assert mismatches == []
     wait_idle(server)
     assert server.app.state.engine.active == () and server.worker.queued == 0
-    assert all(bool((t == 0).all()) for t in server.app.state.engine.state), "every slot reset"
+    assert_free_rows_hold_their_tokens(server.app.state.engine, server.solo)  # then reset: all initial values
     assert server.app.state.metrics.counter("requests_total", endpoint="chat", status="200") - requests0 == 16
     assert server.worker.steps > 0 and server.app.state.metrics.histogram_count("decode_batch_rows") > 0
     assert server.app.state.metrics.histogram_count("prefill_seconds") - prefills0 > 32, "long prompts were chunked"

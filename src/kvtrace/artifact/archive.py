@@ -130,16 +130,19 @@ class Artifact:
                           vocab_size=m.vocab_size, identity=self.identity, label=m.backend, quant=m.quant,
                           state=state)
 
-    def slot_engine(self, max_seq_len: int | None = None, prefill_chunk: int | None = None) -> SlotEngine:
+    def slot_engine(self, max_seq_len: int | None = None, prefill_chunk: int | None = None,
+                    prefix_cache: bool = True) -> SlotEngine:
         """A SlotEngine over a new cache: one conversation per cache row of an artifact exported with ``slots``
         (a batch-1 artifact runs as one slot). ``max_seq_len``: per slot, at most the artifact's;
-        ``prefill_chunk``: prompt tokens per prefill call (None: whole prompts; see ``SlotEngine``)."""
+        ``prefill_chunk``: prompt tokens per prefill call (None: whole prompts); ``prefix_cache``: freed rows
+        are kept for prompts that begin alike (False: reset when freed). See ``SlotEngine``."""
         self._check_slots_runnable()
         tok = self.tokenizer()
         decode = (lambda ids: tok.decode(ids, skip_special_tokens=True)) if tok is not None else None
         programs = {n: (self.manifest.programs[n], self._programs[n]) for n in ("prefill", "decode")}
         return SlotEngine(self.cache_spec, programs, vocab_size=self.manifest.vocab_size, max_seq_len=max_seq_len,
-                          decode_text=decode, device=self.device, prefill_chunk=prefill_chunk)
+                          decode_text=decode, device=self.device, prefill_chunk=prefill_chunk,
+                          prefix_cache=prefix_cache)
 
     def slot_session(self, slot: int | None = None) -> SlotSession:
         """One slot (default: the last) of a slots artifact driven like a Session, for step-by-step checks

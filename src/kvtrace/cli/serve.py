@@ -83,7 +83,7 @@ def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
         raise UsageError(f"--max-seq-len {max_seq} is more than {art.path.name}'s cache holds "
                          f"({art.cache_spec.max_seq_len}); lower it or re-export with a larger --max-seq-len")
     app = app_for(art, max_seq_len=max_seq, api_key=args.api_key, max_queue=args.queue,
-                  prefill_chunk=args.prefill_chunk or None)
+                  prefill_chunk=args.prefill_chunk or None, prefix_cache=args.prefix_cache)
     engine = app.state.engine
     why = rounding_steps(art)
     if why and engine.n_slots > 1:
@@ -95,7 +95,8 @@ def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
         ui.notice(f"serving {art.manifest.model_name or art.path.stem} on {url}/v1 (OpenAI API): "
                   f"{engine.n_slots} conversation slot(s), max_seq_len {engine.max_seq_len}"
                   f"{f', {art.cache_spec.kv_dtype} KV cache' if art.cache_spec.kv_dtype else ''}, prompts prefilled "
-                  f"{f'{engine.prefill_chunk} tokens per step' if engine.prefill_chunk else 'whole'}, backend "
+                  f"{f'{engine.prefill_chunk} tokens per step' if engine.prefill_chunk else 'whole'}"
+                  f"{' after the prefix a slot holds' if engine.prefix_cache else ''}, backend "
                   f"{art.manifest.backend}; Ctrl-C stops")
 
     serve(app, host=args.host, port=args.port, log_level="info" if args.debug else "warning", on_ready=ready)
@@ -125,6 +126,9 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--prefill-chunk", type=int_in(0), default=DEFAULT_PREFILL_CHUNK, metavar="N",
                    help="prefill long prompts N tokens at a time between decode steps, so other conversations keep "
                         f"streaming (default {DEFAULT_PREFILL_CHUNK}; 0: whole prompts)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="reset a slot when its request ends (default: keep it, and prefill a later prompt that begins "
+                        "alike, a chat's next turn, only after the prefix it holds)")
     p.add_argument("--backend", choices=sorted(registry.names()), default=None,
                    help=f"for a model source (default {SERVE_BACKEND}: one frozen program whose CPU matmuls stay fast "
                         f"from 1 to N rows; aoti compiles faster; --quant gguf: {GGUF_SERVE_BACKEND}, whose decode "

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtrace._errors import CacheOverflowError, UsageError
 from kvtrace.runtime.generate import Chunk, Generation, GenerationStats, Sampling, stream
+from kvtrace.runtime.prefix import common_prefix
 from kvtrace.runtime.session import Session, Snapshot
 
 __all__ = ["Conversation", "Turn", "TurnStats"]
@@ -139,7 +140,7 @@ class Conversation:
                 f"the conversation would be {len(full)} tokens with this message; max_seq_len is {limit}. "
                 "Start over with /reset (or reset()), or export with a larger --max-seq-len"
             )
-        keep = _common_prefix(self.tokens, full)
+        keep = common_prefix(self.tokens, full)
         keep = min(keep, len(full) - 1)  # prefill at least one token: its logits start the answer
         rewound, reprefilled = len(self.tokens) - keep, False
         try:
@@ -233,11 +234,3 @@ class Conversation:
         self.session.restore(snap)  # checks identity, shapes and dtypes; the session is untouched if refused
         self.tokens, self.messages, self._turn_starts, self._system = tokens, messages, starts, system
 
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):  # the shorter one bounds it
-        if x != y:
-            break
-        n += 1
-    return n

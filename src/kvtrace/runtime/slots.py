@@ -4,8 +4,19 @@ The cache's B rows are conversation slots: an artifact exported with ``slots=N``
 ``ProgramSpec.slots`` (``models.step.SLOT_PROGRAMS``). ``admit`` prefills one request into a free slot
 (``prefill`` with R = 1 row) and samples its first token; ``step`` decodes one token for every active slot
 at once (``decode`` with R = the active rows, each at its own position), which reads the weights once for
-all of them. Requests join and leave between steps; a slot is reset when it is freed (the cache positions it
-wrote refilled with the declared initial value), so an idle engine's cache holds only initial values.
+all of them. Requests join and leave between steps.
+
+Prefix cache (``prefix_cache=True``, the default): a freed slot keeps its row, and remembers the tokens whose
+K/V it holds (the prompt and the output fed back, ``held``). A new request takes the free slot whose held tokens
+share the longest reusable prefix with its prompt (``runtime.prefix.reusable``: at most all but one prompt
+token; a sliding-window ring past its window only when the prompt extends all of it) and prefills only the
+rest, at positions after that prefix: a chat client that sends the whole conversation each turn has only the
+new turn prefilled, and prompts that open alike (a system prompt) share it. Without a reusable prefix it takes
+an empty slot, else the one freed longest ago. The positions after a row's position hold an earlier
+conversation's K/V, masked by position exactly as a rewound Session's are (the math of a chunked prefill whose
+first chunk is the kept prefix). ``prefix_cache=False``: a slot is reset when it is freed (the positions it
+wrote refilled with the declared initial value), so an idle engine's cache holds only initial values. Either
+way a row on which a program failed is reset, never reused, and ``reset()`` clears every row.
 
 Chunked prefill (``prefill_chunk=C``): ``admit`` only takes the slot; each ``step`` decodes the decoding slots,
 then prefills at most C prompt tokens in all, oldest request first (a short prompt whole, a long one C
@@ -28,6 +39,9 @@ Invariants:
 - a request is checked (prompt length and ``max_tokens`` against ``max_seq_len``, token ids against the
   vocabulary, stop strings needing text) before any slot is touched: a refused request changes nothing;
 - rows never mix: row r reads and writes only cache row ``slots[r]``, at its own positions;
+- a free row's ``held`` tokens are the ones its positions ``[0, len(held))`` were computed from (its last
+  request's prompt and the output fed back); a free row holding none is at its initial values (a row a
+  program failed on is reset, never reused);
 - not thread-safe: one thread owns an engine (``kvtrace serve``'s model thread).
 """
 
@@ -44,6 +58,7 @@ import torch
 
 from kvtrace._errors import CacheOverflowError, UsageError
 from kvtrace.runtime.generate import Sampling, _TextStream, sample
+from kvtrace.runtime.prefix import reusable
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import ProgramSpec
 
@@ -94,7 +109,8 @@ class SlotEvent:
 class _Active:
     """One admitted request's state: its position in its row, the token to feed next, its output."""
 
-    def __init__(self, request: SlotRequest, limit: int, decode_text: Callable[[list[int]], str] | None, order: int):
+    def __init__(self, request: SlotRequest, limit: int, decode_text: Callable[[list[int]], str] | None, order: int,
+                 cached: int = 0, written: int = 0):
         s = request.sampling
         self.request = request
         self.order = order  # admission order: the oldest still-prefilling request gets the next chunk
@@ -102,8 +118,10 @@ class _Active:
         self.gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
         self.greedy = s.temperature == 0
         self.stop_ids = frozenset(request.stop_ids)
-        self.position = 0  # tokens in this slot's cache row (while prefilling: the prompt tokens prefilled)
-        self.written = 0  # cache positions written since the slot was last reset (reset refills these)
+        self.position = cached  # tokens in this slot's cache row (while prefilling: the prompt tokens in it; it
+        # starts at the prefix the row already held, prefix cache)
+        self.written = written  # cache positions written since the row was last reset (reset refills these)
+        self.failed = False  # a program failed on this row: it is reset when freed, never reused
         self.last = -1  # the sampled token the next decode feeds
         self.tokens: list[int] = []
         self.stream = _TextStream(decode_text) if decode_text is not None else None
@@ -119,12 +137,14 @@ class _Active:
 @dataclass(frozen=True)
 class StepStats:
     """What the last ``admit`` or ``step`` ran: prompt tokens prefilled and the seconds it took, decode rows
-    and their seconds (the server's prefill and decode metrics)."""
+    and their seconds (the server's prefill and decode metrics); ``cached_tokens``: for an ``admit``, the
+    prompt tokens its slot's row already held (the prefix cache), which are not prefilled."""
 
     prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     decode_rows: int = 0
     decode_seconds: float = 0.0
+    cached_tokens: int = 0
 
 
 class SlotEngine:
@@ -135,13 +155,14 @@ class SlotEngine:
     most tokens (prompt + completion) a slot holds, at most the cache's (default: the cache's).
     ``decode_text``: token ids -> text (the tokenizer's decode), needed for text and stop strings.
     ``prefill_chunk``: at most this many prompt tokens per prefill call (chunked prefill, see the module
-    docstring); None: a whole prompt at once.
+    docstring); None: a whole prompt at once. ``prefix_cache``: freed slots keep their rows for requests whose
+    prompts begin alike (see the module docstring); False: freed slots are reset.
     """
 
     def __init__(self, spec: CacheSpec, programs: Mapping[str, tuple[ProgramSpec, Program]], *,
                  vocab_size: int | None = None, max_seq_len: int | None = None,
                  decode_text: Callable[[list[int]], str] | None = None, device: str = "cpu",
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, prefix_cache: bool = True):
         (pre_spec, self._prefill), (dec_spec, self._decode) = programs["prefill"], programs["decode"]
         self._pre_spec, self._dec_spec = pre_spec, dec_spec
         if pre_spec.slots != dec_spec.slots or (not pre_spec.slots and spec.batch_size != 1):
@@ -162,6 +183,7 @@ class SlotEngine:
         self.spec = spec
         self.max_seq_len = max_seq_len or spec.max_seq_len
         self.prefill_chunk = prefill_chunk
+        self.prefix_cache = bool(prefix_cache)
         self.last_step = StepStats()  # what the last admit / step ran
         self._admitted = 0
         self.n_slots = spec.batch_size
@@ -171,6 +193,11 @@ class SlotEngine:
         self._state = spec.allocate(device)  # [N, H_kv, S, D] per k/v buffer: row i is slot i
         self._inits = [b.init for b in spec.buffers()]
         self._slots: dict[int, _Active] = {}
+        n = self.n_slots
+        self._held: list[list[int]] = [[] for _ in range(n)]  # a free row's tokens, whose K/V it holds (prefix cache)
+        self._written = [0] * n  # a free row's positions written since it was last reset
+        self._freed = [0] * n  # when each slot was last freed (a count of releases): the oldest is taken first
+        self._releases = 0
 
     # --- what is running ------------------------------------------------------------------------------
     @property
@@ -196,6 +223,10 @@ class SlotEngine:
         """Tokens in ``slot``'s cache row (0 for a free slot)."""
         a = self._slots.get(slot)
         return a.position if a is not None else 0
+
+    def held(self, slot: int) -> tuple[int, ...]:
+        """The tokens whose K/V a free ``slot``'s row holds for the prefix cache (empty: nothing reusable)."""
+        return () if slot in self._slots else tuple(self._held[slot])
 
     def output(self, slot: int) -> tuple[list[int], str]:
         """The tokens and text an active slot generated so far."""
@@ -242,22 +273,24 @@ class SlotEngine:
         return m if m is not None else limit - n
 
     def admit(self, request: SlotRequest) -> tuple[int, SlotEvent | None]:
-        """Prefill ``request`` into a free slot and sample its first token: (slot, its first SlotEvent); the
-        event is None while a chunked prefill has prompt left (a later ``step`` gives it).
-        Raises UsageError when every slot is busy (nothing changes), or what ``check`` raises."""
+        """Prefill ``request`` into a free slot (after the prefix its row already holds, see ``prefix_cache``) and
+        sample its first token: (slot, its first SlotEvent); the event is None while a chunked prefill has prompt
+        left (a later ``step`` gives it). Raises UsageError when every slot is busy (nothing changes), or what
+        ``check`` raises."""
         limit = self.check(request)
-        free = self.free
-        if not free:
+        if not self.free:
             raise UsageError(f"all {self.n_slots} slots are busy; wait for a request to finish (step) or cancel one")
-        slot = free[0]
-        self._slots[slot] = a = _Active(request, limit, self._decode_text, self._admitted)
+        slot, keep = self._pick(request.prompt)
+        self._slots[slot] = a = _Active(request, limit, self._decode_text, self._admitted, keep, self._written[slot])
+        self._held[slot] = []  # the row's tokens are the request's from now on
         self._admitted += 1
         if self.prefill_chunk is not None:  # the next steps prefill it
-            self.last_step = StepStats()
+            self.last_step = StepStats(cached_tokens=keep)
             return slot, None
         t0 = time.perf_counter()
-        ev = self._prefill_next(slot, a, len(request.prompt))
-        self.last_step = StepStats(len(request.prompt), time.perf_counter() - t0)
+        n = len(request.prompt) - keep
+        ev = self._prefill_next(slot, a, n)
+        self.last_step = StepStats(n, time.perf_counter() - t0, cached_tokens=keep)
         return slot, ev
 
     def step(self) -> list[SlotEvent]:
@@ -270,8 +303,13 @@ class SlotEngine:
         if rows:
             acts = [self._slots[s] for s in rows]
             tokens = torch.tensor([[a.last] for a in acts], dtype=torch.int64, device=self._device)  # [R, 1]
-            with torch.inference_mode():
-                logits = self._run(self._decode, self._dec_spec, tokens, [a.position for a in acts], rows, 1)[:, -1]
+            try:
+                with torch.inference_mode():
+                    logits = self._run(self._decode, self._dec_spec, tokens, [a.position for a in acts], rows, 1)[:, -1]
+            except BaseException:
+                for a in acts:  # what these rows hold is unknown now: reset them when they are freed
+                    a.failed = True
+                raise
             for a in acts:
                 a.position += 1
                 a.written = max(a.written, a.position)
@@ -300,12 +338,22 @@ class SlotEngine:
         return SlotEvent(slot, None, "", FinishReason.CANCELLED)
 
     def reset(self) -> None:
-        """Cancel everything; every slot back to the declared initial state."""
+        """Cancel everything; every slot back to the declared initial state (the prefix cache emptied)."""
         for slot in self.active:
             self.cancel(slot)
         self.spec.reset_(self._state)
+        self._held = [[] for _ in range(self.n_slots)]
+        self._written = [0] * self.n_slots
 
     # --- internals ------------------------------------------------------------------------------------
+    def _pick(self, prompt: Sequence[int]) -> tuple[int, int]:
+        """The free slot to take for ``prompt`` and how many positions of its row to keep: the longest reusable
+        prefix; without one the first empty slot, else the slot freed longest ago."""
+        ranked = [(reusable(self.spec, self._held[s], prompt) if self.prefix_cache else 0,
+                   not self._held[s], -self._freed[s] if self._held[s] else 0, -s) for s in self.free]
+        keep, _, _, neg_slot = max(ranked)
+        return -neg_slot, keep
+
     def _prefill_next(self, slot: int, a: _Active, t: int) -> SlotEvent | None:
         """Prefill the next ``t`` tokens of ``a``'s prompt into ``slot``; sample the first token once the prompt
         is all in (its event), else None. A failing program frees and resets the slot."""
@@ -317,7 +365,7 @@ class SlotEngine:
                 logits = self._run(self._prefill, self._pre_spec, tokens, [start], [slot], t)[:, -1]  # [1, V]
         except BaseException:
             del self._slots[slot]
-            self._reset(slot, start + t)
+            self._reset(slot, max(a.written, start + t))
             raise
         a.position = a.written = start + t
         return None if a.prefilling else self._emit([slot], logits)[0]
@@ -380,11 +428,20 @@ class SlotEngine:
         return SlotEvent(slot, tok, text, finish)
 
     def _release(self, slot: int) -> None:
+        """Free ``slot``: keep its row for the prefix cache (the tokens of its positions: the prompt and the
+        output fed back), or reset it (``prefix_cache=False``, or a program failed on it)."""
         a = self._slots.pop(slot)
-        self._reset(slot, a.written)
+        self._releases += 1
+        self._freed[slot] = self._releases
+        if self.prefix_cache and not a.failed and a.position:
+            self._held[slot] = [*a.request.prompt, *a.tokens][: a.position]
+            self._written[slot] = a.written
+        else:  # nothing to keep: the row back to its initial values (so an empty `held` means an initial row)
+            self._reset(slot, a.written)
 
     def _reset(self, slot: int, written: int) -> None:
         """Refill the first ``written`` positions of ``slot``'s row with each buffer's initial value."""
+        self._held[slot], self._written[slot] = [], 0
         if not self._pre_spec.slots:
             self.spec.reset_(self._state)
             return

@@ -54,6 +54,10 @@ def _error(e: ApiError) -> Any:
     return _json(e.status, protocol.error_body(str(e), type_=e.type, param=e.param, code=e.code))
 
 
+def _usage(done: Done) -> dict[str, Any]:
+    return protocol.usage(done.prompt_tokens, done.completion_tokens, done.cached_tokens)
+
+
 def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any:
     """The Starlette application; its lifespan starts and stops the model thread that owns ``engine``."""
     from starlette.applications import Starlette
@@ -145,8 +149,7 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
                 if done.error:
                     return _json(500, protocol.error_body(done.error, type_="server_error"))
                 build = protocol.chat_response if chat else protocol.completion_response
-                return _json(200, build(rid, prompted.model, "".join(parts), done.finish, done.prompt_tokens,
-                                        done.completion_tokens))
+                return _json(200, build(rid, prompted.model, "".join(parts), done.finish, _usage(done)))
         except asyncio.CancelledError:
             job.cancel()
             worker.wake()
@@ -177,7 +180,7 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
                 yield protocol.sse(protocol.chat_chunk(rid, model, created, {}, reason) if chat
                                    else protocol.completion_chunk(rid, model, created, "", reason))
                 if prompted.include_usage:
-                    u = protocol.usage(done.prompt_tokens, done.completion_tokens)
+                    u = _usage(done)
                     yield protocol.sse(protocol.chat_chunk(rid, model, created, {}, usage_=u, choices=False) if chat
                                        else protocol.completion_chunk(rid, model, created, "", usage_=u, choices=False))
                 break
@@ -239,15 +242,16 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
 
 
 def app_for(artifact: Any, *, max_seq_len: int | None = None, api_key: str | None = None, max_queue: int = 64,
-            model: str | None = None, prefill_chunk: int | None = None) -> Any:
+            model: str | None = None, prefill_chunk: int | None = None, prefix_cache: bool = True) -> Any:
     """The application serving a loaded ``Artifact`` (its slots, tokenizer and chat template);
-    ``prefill_chunk``: prompt tokens per prefill call between decode steps (None: whole prompts)."""
+    ``prefill_chunk``: prompt tokens per prefill call between decode steps (None: whole prompts);
+    ``prefix_cache``: freed slots keep their conversations for prompts that begin alike (``SlotEngine``)."""
     m = artifact.manifest
     tok = artifact.tokenizer()
     if tok is None:
         raise UsageError(f"{artifact.path} has no tokenizer, so it cannot be served over text; export it from a model "
                          "source that has one")
-    engine = artifact.slot_engine(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk)
+    engine = artifact.slot_engine(max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, prefix_cache=prefix_cache)
     temperature = m.generation.get("temperature") or 0.0
     renderer = Renderer(tok, m.chat_template, m.bos_id, m.eos_ids, temperature=float(temperature))
     name = model or m.model_name or artifact.path.stem

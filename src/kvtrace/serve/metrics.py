@@ -35,7 +35,9 @@ class Metrics:
 
     HELP: ClassVar[dict[str, tuple[str, str]]] = {
         "requests_total": ("counter", "HTTP requests answered, by endpoint and status code"),
-        "prompt_tokens_total": ("counter", "prompt tokens prefilled"),
+        "prompt_tokens_total": ("counter", "prompt tokens received (prefilled, or kept from a slot's cache)"),
+        "prompt_tokens_cached_total": ("counter", "prompt tokens a slot's cache already held (the prefix cache): "
+                                                  "not prefilled"),
         "completion_tokens_total": ("counter", "tokens generated"),
         "prefill_seconds": ("histogram", "time of one prefill call (a prompt, or one chunk of it with --prefill-chunk, into its slot)"),
         "decode_step_seconds": ("histogram", "time of one decode step (one token for every active slot)"),
@@ -75,7 +77,7 @@ class Metrics:
         with self._lock:
             counters = dict(self._counters)
             hists = {k: (h.buckets, list(h.counts), h.sum, h.n) for k, h in self._hist.items()}
-        for name in ("requests_total", "prompt_tokens_total", "completion_tokens_total"):
+        for name in ("requests_total", "prompt_tokens_total", "prompt_tokens_cached_total", "completion_tokens_total"):
             kind, text = self.HELP[name]
             lines += [f"# HELP kvtrace_{name} {text}", f"# TYPE kvtrace_{name} {kind}"]
             series = [(labels, v) for (n, labels), v in sorted(counters.items()) if n == name] or [((), 0.0)]

@@ -284,32 +284,34 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens``: prompt tokens the slot's cache already held (not prefilled)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def finish_reason(finish: FinishReason | None) -> str | None:
     return None if finish is None else finish.openai
 
 
-def chat_response(rid: str, model: str, text: str, finish: FinishReason | None, prompt_tokens: int,
-                  completion_tokens: int) -> dict[str, Any]:
+def chat_response(rid: str, model: str, text: str, finish: FinishReason | None,
+                  usage_: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                          "logprobs": None, "finish_reason": finish_reason(finish)}],
-            "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+            "usage": usage_, "system_fingerprint": None}
 
 
-def completion_response(rid: str, model: str, text: str, finish: FinishReason | None, prompt_tokens: int,
-                        completion_tokens: int) -> dict[str, Any]:
+def completion_response(rid: str, model: str, text: str, finish: FinishReason | None,
+                        usage_: dict[str, Any]) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(finish)}],
-            "usage": usage(prompt_tokens, completion_tokens), "system_fingerprint": None}
+            "usage": usage_, "system_fingerprint": None}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str], finish: str | None = None,
-               usage_: dict[str, int] | None = None, choices: bool = True) -> dict[str, Any]:
+               usage_: dict[str, Any] | None = None, choices: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "system_fingerprint": None,
                            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
@@ -320,7 +322,7 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str], finish
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     usage_: dict[str, int] | None = None, choices: bool = True) -> dict[str, Any]:
+                     usage_: dict[str, Any] | None = None, choices: bool = True) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                            "system_fingerprint": None,
                            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]

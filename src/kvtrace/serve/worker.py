@@ -43,12 +43,14 @@ class QueueFull(UsageError):
 
 @dataclass(frozen=True)
 class Done:
-    """The last item of a job's events: how it ended and its token counts (``error``: a message, if it failed)."""
+    """The last item of a job's events: how it ended and its token counts (``error``: a message, if it failed;
+    ``cached_tokens``: prompt tokens its slot's cache already held, not prefilled)."""
 
     finish: FinishReason | None
     prompt_tokens: int
     completion_tokens: int
     error: str = ""
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Job:
     cancelled: bool = False
     first_token_at: float | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens its slot already held (the prefix cache)
 
     def cancel(self) -> None:
         """The client is gone: free the slot (or drop the job from the queue) at the model thread's next turn."""
@@ -201,9 +204,12 @@ class Worker:
         except Exception as e:  # the prefill program failed: the engine reset the slot
             job._put(Done(None, len(job.request.prompt), 0, error=f"prefill failed: {type(e).__name__}: {e}"))
             return
-        if self.engine.last_step.prefill_tokens:  # with --prefill-chunk the steps prefill it
-            self.metrics.observe("prefill_seconds", self.engine.last_step.prefill_seconds)
+        st = self.engine.last_step
+        if st.prefill_tokens:  # with --prefill-chunk the steps prefill it
+            self.metrics.observe("prefill_seconds", st.prefill_seconds)
         self.metrics.inc("prompt_tokens_total", len(job.request.prompt))
+        self.metrics.inc("prompt_tokens_cached_total", st.cached_tokens)
+        job.cached_tokens = st.cached_tokens
         self._jobs[slot] = job
         if ev is not None:  # None: a chunked prefill goes on in the next steps
             self._deliver(ev)
@@ -222,7 +228,7 @@ class Worker:
 
     def _finish(self, slot: int, finish: FinishReason | None, error: str = "") -> None:
         job = self._jobs.pop(slot)
-        job._put(Done(finish, len(job.request.prompt), job.completion_tokens, error))
+        job._put(Done(finish, len(job.request.prompt), job.completion_tokens, error, job.cached_tokens))
 
     def _fail_all(self, message: str) -> None:
         for slot in list(self._jobs):
