@@ -7,7 +7,8 @@ it, and only the new turn is prefilled. This script starts the server (the defau
 ``kvtrace serve``'s backend, cached) once per configuration, alternating ``--rounds`` times (these machines
 drift within minutes), and runs ``--clients`` concurrent chats of ``--turns`` turns each: the first user
 message carries a document (~``--doc-words`` words) and the later ones short questions about it, every answer
-``--new-tokens`` tokens at temperature 0 (streamed, ``ignore_eos``). Per turn: time to first token (median
+at most ``--new-tokens`` tokens at temperature 0 (streamed; an answer that ends at the end-of-turn token is
+re-sent whole, so its slot holds all of it). Per turn: time to first token (median
 over clients and rounds), prompt tokens and the tokens the server reported as cached
 (``usage.prompt_tokens_details.cached_tokens``); per configuration the wall time. Every answer is compared
 with the other configuration's: the cache must change no token. One JSON line per configuration, then a
@@ -44,7 +45,7 @@ QUESTIONS = ("Summarize the text above in one sentence.", "What grows with the c
 
 async def chat(client, url: str, messages: list[dict[str, str]], n: int) -> dict:
     body = {"model": "bench", "messages": messages, "max_tokens": n, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     first, parts, usage = None, [], {}
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
