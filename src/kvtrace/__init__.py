@@ -28,7 +28,7 @@ from kvtrace._errors import (
     UsageError,
 )
 
-__version__ = "0.4.8"
+__version__ = "0.4.9"
 
 # name -> the module that defines it. Heavy modules (torch, transformers) are imported lazily, on first
 # use of a name: `import kvtrace` has no side effects and loading an artifact never pulls in transformers.

@@ -294,10 +294,13 @@ def export(
                 eps = capture_programs(decoder, tuple(wanted.values()))
             weights = {} if chosen.packs_weights else _weights(eps)
         compiled = {n: eps[p.name] for n, p in wanted.items()}  # compiled program name -> captured program
+        # a backend's variants captured on their own (aoti-packed's one-row slots decode): compiled and packaged
+        # beside the programs, loaded where the package holds them, signed by the program they stand in for
+        variants = {n: ep for n, ep in eps.items() if n in getattr(chosen, "captured_variants", {})}
         with progress(chosen.compile_label):
             if chosen.standalone:  # its own file (e.g. a .pte), the manifest inside; export_seconds: up to lowering
                 return chosen.export_file(path, manifest({}), compiled, decoder.cache_spec.torch_dtype, tokenizer_json)
-            files = chosen.compile(compiled, decoder.cache_spec.torch_dtype)
+            files = chosen.compile({**compiled, **variants}, decoder.cache_spec.torch_dtype)
     except KvtraceError:
         raise
     except Exception as e:

@@ -719,6 +719,14 @@ class AotiBackend(Backend):
     # Extra library name -> the compiled program it is a variant of: that program compiled as for one cache row,
     # packaged beside it where its options differ, and loaded where the package holds it (``AotiPackedBackend``).
     one_row_variants: ClassVar[Mapping[str, str]] = {}
+    # Likewise, but captured on its own for one row (``capture`` returns it beside the programs; ``compile`` gets
+    # it as one more program), loaded where the package holds it and probed with that program's one-row inputs.
+    captured_variants: ClassVar[Mapping[str, str]] = {}
+
+    @property
+    def variants(self) -> dict[str, str]:
+        """Every optional library: name -> the compiled program it stands in for (its signature and probe)."""
+        return {**self.one_row_variants, **self.captured_variants}
 
     def members(self, programs: Iterable[str]) -> set[str]:
         return {PACKAGE}
@@ -732,13 +740,13 @@ class AotiBackend(Backend):
 
         device = device if device is not None else torch.device("cpu")
         compiled = self.compiled(manifest.programs, set(manifest.signatures))
-        optional = frozenset(n for n, of in self.one_row_variants.items() if of in compiled)
+        optional = frozenset(n for n, of in self.variants.items() if of in compiled)
         package: FileMember = blobs[PACKAGE]
         tempcopy.remove_stale_dirs(pt2.TEMP_PREFIX)
         cache = manifest.cache_spec.allocate(device)  # one scratch cache for every probe
         loaded = {}
         with _libraries(path, package, set(compiled), optional) as libraries:
-            variants = {n: self.one_row_variants[n] for n in optional if n in libraries}  # those this package holds
+            variants = {n: self.variants[n] for n in optional if n in libraries}  # those this package holds
             for name, program in [*compiled.items(), *((n, compiled[of]) for n, of in variants.items())]:
                 so = libraries[name][".so"]
                 if not self.packs_weights:

@@ -8,7 +8,9 @@ A decoder whose weights are mostly in matmuls that Inductor's GEMM templates spe
 (``one_row_template``: the int8 and int4 linears) gets a second program, ``DECODE``: its decode, captured with T = 1,
 over its own copy of the frozen weights (``own_decode``). The manifest says which: decode ``served_by="prefill"``
 when the step program serves it, no ``served_by`` and a signature of its own when not. (Manifests of kvtrace
-<= 0.4.2 marked neither and signed only the step program: decode served by it.)
+<= 0.4.2 marked neither and signed only the step program: decode served by it.) A slots artifact of such a
+decoder gets ``DECODE_ONE`` instead: its decode captured for one row (R = 1 static, T = 1), which runs the
+decode steps of a single active slot; steps of more rows run on the step program.
 
 Only for decoders whose programs are exactly prefill and decode, agreeing on their inputs, key_pos and
 slots (one signature serves both); checked at export and again at load.
@@ -32,7 +34,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.spec.manifest import Manifest
     from kvtrace.spec.program import ProgramSpec
 
-__all__ = ["AOTI_PACKED", "DECODE", "MODEL", "ONE_ROW", "AotiPackedBackend", "ByRows", "own_decode"]
+__all__ = ["AOTI_PACKED", "DECODE", "DECODE_ONE", "MODEL", "ONE_ROW", "AotiPackedBackend", "ByRows",
+           "one_row_decode", "own_decode"]
 
 MODEL = "step"  # the package's T-symbolic model (its manifest signature's key too)
 DECODE = "decode"  # the one-token decode model, where the decoder has its own (``own_decode``)
@@ -43,6 +46,10 @@ DECODE = "decode"  # the one-token decode model, where the decoder has its own (
 # 35.3 vs 51.5 (stop 33). The price: the weights twice in memory (SmolLM2 fp32: 652 + 539 MB of libraries).
 ONE_ROW = "step_one"
 ONE_ROW_MAX = 2
+# A slots decode captured for one row (``one_row_decode``): the step of a single active slot runs the one-row
+# kernels of ``one_row_template`` modules, as a batch-1 artifact's own decode program does, instead of the GEMM
+# template compiled for R symbolic rows.
+DECODE_ONE = "decode_one"
 T = TypeVar("T")
 
 
@@ -59,6 +66,17 @@ def own_decode(programs: Sequence[ProgramSpec], decoder: torch.nn.Module) -> boo
     (the template on the step program), artifact 222 vs 112 MB."""
     if any(p.slots for p in programs):
         return False
+    return _mostly_one_row_templates(decoder)
+
+
+def one_row_decode(programs: Sequence[ProgramSpec], decoder: torch.nn.Module) -> bool:
+    """Whether a slots artifact gets ``DECODE_ONE``: its programs are slots programs and, as for ``own_decode``,
+    more than half of ``decoder``'s weight bytes are in ``one_row_template`` modules. It stores the frozen weights
+    once more, as ``own_decode``'s program does."""
+    return any(p.slots for p in programs) and _mostly_one_row_templates(decoder)
+
+
+def _mostly_one_row_templates(decoder: torch.nn.Module) -> bool:
     return one_row.weight_share(decoder, lambda m: getattr(m, "one_row_template", False)) > 0.5
 
 
@@ -71,12 +89,18 @@ class AotiPackedBackend(AotiBackend):
 
     def capture(self, decoder: torch.nn.Module,
                 programs: tuple[ProgramSpec, ...]) -> dict[str, torch.export.ExportedProgram]:
-        """The standard capture, int4 linears calling the op Inductor's int4 template lowers (``template_ops``)."""
+        """The standard capture, int4 linears calling the op Inductor's int4 template lowers (``template_ops``);
+        and ``DECODE_ONE`` where ``one_row_decode``: the step program's spec at one token, for one row."""
         from kvtrace.capture.export import capture_programs
         from kvtrace.models.quant import template_ops
 
         with template_ops(decoder):
-            return capture_programs(decoder, programs)
+            eps = capture_programs(decoder, programs)
+            if one_row_decode(programs, decoder):
+                [step] = (p for p in programs if not p.single_token)
+                one = dataclasses.replace(step, name=DECODE_ONE, single_token=True)
+                eps |= capture_programs(decoder, (one,), one_row=True)
+            return eps
 
     def compiled(self, programs: Mapping[str, T], signed: Collection[str] | None = None) -> dict[str, T]:
         """The step program (prefill's, T symbolic) and, where decode is served by no other, ``DECODE``. At load,
@@ -100,25 +124,30 @@ class AotiPackedBackend(AotiBackend):
                                 "agreeing on their inputs, but its manifest's program specs differ; re-export it")
 
     one_row_variants: ClassVar[Mapping[str, str]] = {ONE_ROW: MODEL}  # packaged where its options differ
+    captured_variants: ClassVar[Mapping[str, str]] = {DECODE_ONE: MODEL}  # where ``one_row_decode``
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         step = loaded[MODEL] if ONE_ROW not in loaded else ByRows(loaded[ONE_ROW], loaded[MODEL])
-        return {"prefill": step, "decode": loaded.get(DECODE, step)}
+        decode = loaded.get(DECODE, step)
+        if DECODE_ONE in loaded:  # a single slot's decode step on the one-row program
+            decode = ByRows(loaded[DECODE_ONE], step, most=1)
+        return {"prefill": step, "decode": decode}
 
 
 class ByRows:
-    """``one`` for calls of at most ONE_ROW_MAX token rows (tokens [R, T], R x T), ``many`` for the rest: one
-    program compiled two ways, taking the same inputs (the same signature, probed alike at load)."""
+    """``one`` for calls of at most ``most`` token rows (tokens [R, T], R x T; default ONE_ROW_MAX), ``many`` for the
+    rest: one program compiled two ways (or captured for one row), taking the same inputs (the same signature,
+    probed alike at load)."""
 
-    def __init__(self, one: Program, many: Program):
-        self.one, self.many = one, many
+    def __init__(self, one: Program, many: Program, most: int = ONE_ROW_MAX):
+        self.one, self.many, self.most = one, many, most
 
     def __call__(self, *flat: torch.Tensor) -> torch.Tensor:
         tokens = flat[0]  # [R, T]
-        return (self.one if tokens.numel() <= ONE_ROW_MAX else self.many)(*flat)
+        return (self.one if tokens.numel() <= self.most else self.many)(*flat)
 
     def fresh(self) -> ByRows:
-        return ByRows(self.one.fresh(), self.many.fresh())
+        return ByRows(self.one.fresh(), self.many.fresh(), self.most)
 
 
 AOTI_PACKED = AotiPackedBackend(

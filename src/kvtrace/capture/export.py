@@ -24,11 +24,12 @@ from kvtrace.spec.program import LOGITS, InputSpec, ProgramSpec, program_specs
 
 __all__ = ["capture_programs", "device_of", "method_module", "with_prefill_logits"]
 
-def capture_programs(decoder: torch.nn.Module,
-                     programs: tuple[ProgramSpec, ...] | None = None) -> dict[str, torch.export.ExportedProgram]:
+def capture_programs(decoder: torch.nn.Module, programs: tuple[ProgramSpec, ...] | None = None,
+                     one_row: bool = False) -> dict[str, torch.export.ExportedProgram]:
     """Export every program the decoder declares (``program_specs``), or those given: prefill (T
     symbolic), decode (T = 1) and any others (e.g. a vision decoder's image prefill), all over the same
-    cache signature. Each capture leaves ``decoder`` (and the HF model it wraps) as it was (``preserved``)."""
+    cache signature. Each capture leaves ``decoder`` (and the HF model it wraps) as it was (``preserved``).
+    ``one_row``: slots programs captured for exactly one row (R = 1 static; ``aoti_packed.DECODE_ONE``)."""
     from torch.export import Dim
 
     spec = decoder.cache_spec
@@ -38,7 +39,7 @@ def capture_programs(decoder: torch.nn.Module,
         # example length >= 2 keeps T symbolic; a one-slot cache has nothing to be symbolic about
         # (and Dim refuses min == max), so its prefill is T = 1. Likewise R (a slots program's rows).
         t = 1 if p.single_token else min(3, spec.max_seq_len)
-        r = min(2, spec.batch_size)
+        r = 1 if one_row else min(2, spec.batch_size)
         if p.key_pos and spec.max_seq_len < t + 2:
             raise CaptureError(f"program {p.name} takes key_pos, which needs max_seq_len >= {t + 2}; "
                                f"this cache holds {spec.max_seq_len}")
