@@ -110,7 +110,7 @@ def test_a_single_slots_decode_step_runs_on_the_one_row_program_and_answers_as_s
                    backend="aoti-packed")
     solo, art = kvtrace.load(tmp_path / "solo.kvt"), kvtrace.load(tmp_path / "slots.kvt")
     decode = art._programs["decode"]
-    assert isinstance(decode, ByRows) and decode.most == 1 and decode.many is art._programs["prefill"]
+    assert isinstance(decode, ByRows) and decode.most == 1 and art._programs["prefill"] is decode
     assert set(art.manifest.signatures) == {MODEL}, "the variant is signed by the step program it stands in for"
     assert set(package_libraries(tmp_path / "slots.kvt")) == {MODEL, DECODE_ONE}
     for rows in ([1], [0, 2]):  # decode: tokens [R, 1], input_pos [R, 1], key_pos [L], slots [R]

@@ -9,8 +9,9 @@ A decoder whose weights are mostly in matmuls that Inductor's GEMM templates spe
 over its own copy of the frozen weights (``own_decode``). The manifest says which: decode ``served_by="prefill"``
 when the step program serves it, no ``served_by`` and a signature of its own when not. (Manifests of kvtrace
 <= 0.4.2 marked neither and signed only the step program: decode served by it.) A slots artifact of such a
-decoder gets ``DECODE_ONE`` instead: its decode captured for one row (R = 1 static, T = 1), which runs the
-decode steps of a single active slot; steps of more rows run on the step program.
+decoder gets ``DECODE_ONE`` instead: its decode captured for one row (R = 1 static, T = 1), which runs every
+call of one token in one row (the decode step of a single active slot, the one-token prefill of a prompt whose
+rest a slot held); calls of more run on the step program.
 
 Only for decoders whose programs are exactly prefill and decode, agreeing on their inputs, key_pos and
 slots (one signature serves both); checked at export and again at load.
@@ -128,10 +129,9 @@ class AotiPackedBackend(AotiBackend):
 
     def serve(self, loaded: dict[str, Program], manifest: Manifest) -> dict[str, Program]:
         step = loaded[MODEL] if ONE_ROW not in loaded else ByRows(loaded[ONE_ROW], loaded[MODEL])
-        decode = loaded.get(DECODE, step)
-        if DECODE_ONE in loaded:  # a single slot's decode step on the one-row program
-            decode = ByRows(loaded[DECODE_ONE], step, most=1)
-        return {"prefill": step, "decode": decode}
+        if DECODE_ONE in loaded:  # one token of one row (a decode step, a one-token prefill) on the one-row program
+            step = ByRows(loaded[DECODE_ONE], step, most=1)
+        return {"prefill": step, "decode": loaded.get(DECODE, step)}
 
 
 class ByRows:

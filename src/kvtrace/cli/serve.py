@@ -86,10 +86,11 @@ def cmd_serve(args: argparse.Namespace, ui: UI) -> int:
                   prefill_chunk=args.prefill_chunk or None, prefix_cache=args.prefix_cache)
     engine = app.state.engine
     why = rounding_steps(art)
-    if why and engine.n_slots > 1:
+    if why:
         ui.notice(f"{' and '.join(why)}: an answer can leave the one `kvtrace run` gives where two tokens nearly tie, "
-                  "as the slot programs' matmul kernels round otherwise than a one-conversation program's "
-                  "(bench/batch_divergence.py measures it)")
+                  "as calls of other shapes (rows decoded together, prompts prefilled in chunks or after a prefix "
+                  "a slot held) round otherwise than a one-conversation program's (bench/batch_divergence.py "
+                  "measures it)")
 
     def ready(url: str) -> None:
         ui.notice(f"serving {art.manifest.model_name or art.path.stem} on {url}/v1 (OpenAI API): "
