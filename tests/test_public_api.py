@@ -16,7 +16,7 @@ EXPECTED = ERRORS | {
     "export", "load", "Artifact", "Manifest", "QuantSpec",  # artifacts
     "Session", "ProgramSet", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult",
     "GenerationStats", "Chunk", "Conversation", "Turn", "TurnStats", "Capturer", "EagerCapturer", "GraphStats",  # running
-    "SlotEngine", "SlotRequest", "SlotEvent", "FinishReason", "SlotSession",  # many conversations over one batched cache
+    "SlotEngine", "SlotRequest", "SlotEvent", "FinishReason", "SlotSession", "TokenLogprobs",  # many conversations, one cache
     "verify", "VerifyReport", "StepRow", "NoiseFloor", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
     "DecoderRunner",
     "lint", "LintReport", "Finding",  # tools

@@ -74,6 +74,7 @@ _LAZY = {
     "SlotEvent": "kvtrace.runtime.slots",
     "FinishReason": "kvtrace.runtime.slots",
     "SlotSession": "kvtrace.runtime.slots",
+    "TokenLogprobs": "kvtrace.runtime.slots",
     # tools
     "verify": "kvtrace.tools.verify",
     "VerifyReport": "kvtrace.tools.verify",
@@ -136,6 +137,7 @@ __all__ = [
     "Snapshot",
     "SourceError",
     "StepRow",
+    "TokenLogprobs",
     "Turn",
     "TurnStats",
     "UnsupportedError",
@@ -166,7 +168,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.runtime.graphs import Capturer, EagerCapturer, GraphStats
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
     from kvtrace.runtime.session import ProgramSet, Session, Snapshot
-    from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotEvent, SlotRequest, SlotSession
+    from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotEvent, SlotRequest, SlotSession, TokenLogprobs
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest

@@ -323,6 +323,37 @@ def test_prefix_cache_of_a_sliding_ring_keeps_a_prefix_only_where_the_ring_still
     assert_free_rows_hold_their_tokens(engine, solo)
 
 
+def test_logprobs_are_the_models_own_at_every_step(exported):
+    """logprobs=k: each token's event carries the log-softmax of the model's logits at that step (a solo Session fed
+    the same tokens) for the sampled token, whatever sampling chose, and the k most likely ids in order."""
+    solo, art = exported
+    p = _prompts((7,), seed=21)[0]
+    engine = art.slot_engine()
+    req = SlotRequest(p, max_tokens=6, logprobs=3, sampling=Sampling(temperature=1.5, seed=3))
+    _slot, ev = engine.admit(req)
+    events = [ev]
+    engine.admit(SlotRequest(_prompts((4,), seed=22)[0], max_tokens=9))  # a neighbour without logprobs
+    while len(events) < 6:
+        for e in engine.step():
+            assert e.slot == _slot or e.logprobs is None
+            events += [e] if e.slot == _slot else []
+    session = solo.session()
+    logits = session.prefill(torch.tensor([p]))[0, -1]  # [V]
+    for e in events:
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        assert e.logprobs.logprob == pytest.approx(float(lp[e.token]), abs=1e-4)
+        top = lp.topk(3)
+        assert [i for i, _ in e.logprobs.top] == top.indices.tolist()
+        assert [v for _, v in e.logprobs.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+        logits = session.decode(torch.tensor([[e.token]]))[0, -1]
+    assert any(e.logprobs.top[0][0] != e.token for e in events), "temperature 1.5 sampled beside the top token"
+    _slot, ev = engine.admit(SlotRequest(p, max_tokens=1, logprobs=0))
+    assert ev.logprobs.top == () and ev.logprobs.logprob <= 0
+    for bad in (-1, 21, True, 2.0):
+        with pytest.raises(UsageError, match=r"logprobs must be None or a whole number of alternatives in \[0, 20\]"):
+            engine.check(SlotRequest(p, logprobs=bad))
+
+
 def test_text_and_stop_strings(tmp_path):
     from tests.conftest import make_tiny_hf_dir
 

@@ -145,6 +145,39 @@ def test_a_chats_next_turn_is_prefilled_after_the_conversation_its_slot_holds(se
     assert cached_total() - before == cached
 
 
+def test_logprobs_chat_and_completions_streaming_and_not(server, client):
+    """logprobs over HTTP: one entry per generated token, its top alternatives most likely first (greedy: the token
+    itself), the same streamed and not; the legacy completions shape with text offsets."""
+    msgs = [{"role": "user", "content": "hello the cat"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 8
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert e.logprob == e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob and e.logprob <= 0
+        assert bytes(e.bytes).decode() == e.token
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]  # this prompt again: its slot's prefix kept,
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)  # its end prefilled
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+
+    c = client.completions.create(model="tiny", prompt="hello world the", max_tokens=6, temperature=0, logprobs=3)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert "".join(lp.tokens) == c.choices[0].text and lp.text_offset[0] == 0
+    assert all(len(top) == 3 and max(top.values()) == p for top, p in zip(lp.top_logprobs, lp.token_logprobs,
+                                                                           strict=True))
+    parts = list(client.completions.create(model="tiny", prompt="hello world the", max_tokens=6, temperature=0,
+                                           logprobs=3, stream=True))
+    offsets = [o for p in parts if p.choices[0].logprobs for o in p.choices[0].logprobs.text_offset]
+    assert offsets == lp.text_offset
+
+
 def test_chat_streaming_equals_non_streaming(server, client):
     msgs = [{"role": "user", "content": "the world sat"}]
     stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0, stream=True,
@@ -212,6 +245,10 @@ BAD = [  # (body, status, words the message must contain)
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_p": 0}), 400, "top_p must be in"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}), 400, "stream must be true or false"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}), 400, "n=2 is not supported"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}), 400, "needs logprobs: true"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}), 400,
+     "top_logprobs must be an integer in [0, 20]"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "logprobs": 3}), 400, "logprobs must be true or false"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": [1]}), 400, "stop must be a string"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["a"] * 5}), 400, "at most 4"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "seed": 1.5}), 400, "seed must be an integer"),
@@ -238,6 +275,8 @@ def test_bad_completions_routes_and_sizes(server):
     for body, words in [({"prompt": ""}, "prompt is empty"), ({"prompt": ["a", "b"]}, "one prompt"),
                         ({"prompt": [1, "x"]}, "prompt must be"), ({}, "prompt is required"),
                         ({"prompt": "hi", "echo": True}, "echo=true is not supported"),
+                        ({"prompt": "hi", "logprobs": 6}, "logprobs must be an integer in [0, 5]"),
+                        ({"prompt": "hi", "logprobs": True}, "logprobs must be an integer"),
                         ({"prompt": [3, 99]}, "outside the vocabulary"),
                         ({"prompt": "cat " * 120}, "max_seq_len=96")]:
         r = post("/v1/completions", json.dumps(body))

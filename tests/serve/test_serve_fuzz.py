@@ -41,7 +41,8 @@ FIELDS = {
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON),
     "n": st.one_of(st.integers(0, 3), JSON),
     "model": st.one_of(st.text(max_size=8), JSON),
-    "logprobs": JSON, "tools": JSON, "response_format": JSON, "echo": JSON, "ignore_eos": JSON,
+    "logprobs": st.one_of(st.booleans(), st.integers(-1, 7), JSON), "top_logprobs": st.one_of(st.integers(-1, 22), JSON),
+    "tools": JSON, "response_format": JSON, "echo": JSON, "ignore_eos": JSON,
     "unknown_field": JSON,
 }
 GOOD_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),

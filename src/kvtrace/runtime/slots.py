@@ -62,9 +62,11 @@ from kvtrace.runtime.prefix import reusable
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import ProgramSpec
 
-__all__ = ["FinishReason", "SlotEngine", "SlotEvent", "SlotRequest", "SlotSession", "StepStats"]
+__all__ = ["MAX_TOP_LOGPROBS", "FinishReason", "SlotEngine", "SlotEvent", "SlotRequest", "SlotSession", "StepStats",
+           "TokenLogprobs"]
 
 Program = Callable[..., torch.Tensor]
+MAX_TOP_LOGPROBS = 20  # the most alternatives a request may ask log-probabilities of (OpenAI's bound)
 
 
 class FinishReason(enum.StrEnum):
@@ -85,25 +87,40 @@ class FinishReason(enum.StrEnum):
 class SlotRequest:
     """One generation: ``prompt`` token ids, at most ``max_tokens`` new tokens (None: until the slot's
     cache is full), per-request ``sampling`` (temperature, top_k, top_p, seed), ``stop_ids`` (e.g. the
-    artifact's eos ids; the id itself is not output) and ``stop`` strings (the text ends before the first)."""
+    artifact's eos ids; the id itself is not output) and ``stop`` strings (the text ends before the first).
+    ``logprobs``: None, or k in [0, MAX_TOP_LOGPROBS]: every event of a token carries its log-probability and
+    the k most likely tokens' (``TokenLogprobs``)."""
 
     prompt: Sequence[int]
     max_tokens: int | None = None
     sampling: Sampling = field(default_factory=Sampling)
     stop_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """The model's log-probabilities at one step: the log-softmax of its float32 logits, before temperature,
+    top-k and top-p reshape them for sampling. ``logprob``: the sampled token's; ``top``: the k most likely
+    tokens as (id, logprob), most likely first (ties: the lower id first)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
 class SlotEvent:
     """What one slot produced in one call: a new ``token`` (None when it finished without one: a stop id,
     or cancelled), the ``text`` it completes (held back while it may begin a stop string or end inside a
-    multi-byte character), and ``finish`` once the request is done (its slot is then free)."""
+    multi-byte character), and ``finish`` once the request is done (its slot is then free). ``logprobs``: the
+    token's, where the request asked for them."""
 
     slot: int
     token: int | None
     text: str
     finish: FinishReason | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 class _Active:
@@ -270,6 +287,10 @@ class SlotEngine:
             raise UsageError(f"stop must be a list of non-empty strings, got {stops!r}")
         if stops and self._decode_text is None:
             raise UsageError("stop strings need text: give the engine decode_text (the artifact's tokenizer)")
+        k = request.logprobs
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
+            raise UsageError(f"logprobs must be None or a whole number of alternatives in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {k!r}")
         return m if m is not None else limit - n
 
     def admit(self, request: SlotRequest) -> tuple[int, SlotEvent | None]:
@@ -399,10 +420,12 @@ class SlotEngine:
                     picked[i] = int(sample(logits[i : i + 1], a.request.sampling, a.gen))
         events = []
         for i, (slot, a) in enumerate(zip(rows, acts, strict=True)):
-            events.append(self._advance(slot, a, picked[i]))
+            k = a.request.logprobs
+            lp = None if k is None else _logprobs(logits[i], picked[i], k)
+            events.append(self._advance(slot, a, picked[i], lp))
         return events
 
-    def _advance(self, slot: int, a: _Active, tok: int) -> SlotEvent:
+    def _advance(self, slot: int, a: _Active, tok: int, logprobs: TokenLogprobs | None = None) -> SlotEvent:
         if tok in a.stop_ids:
             text = a.text[a.sent :]  # whatever was held back is complete now
             self._release(slot)
@@ -425,7 +448,7 @@ class SlotEngine:
         a.sent = max(a.sent, upto)
         if finish is not None:
             self._release(slot)
-        return SlotEvent(slot, tok, text, finish)
+        return SlotEvent(slot, tok, text, finish, logprobs)
 
     def _release(self, slot: int) -> None:
         """Free ``slot``: keep its row for the prefix cache (the tokens of its positions: the prompt and the
@@ -448,6 +471,16 @@ class SlotEngine:
         with torch.inference_mode():
             for t, init in zip(self._state, self._inits, strict=True):
                 t[slot, :, :written].fill_(init)  # [H_kv, written, D] of row `slot`
+
+
+def _logprobs(logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """``token``'s log-probability under logits [V] and the ``k`` most likely tokens' (float32, most likely first;
+    equal values: the lower id first, as a stable descending sort puts them)."""
+    with torch.inference_mode():
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [V]
+        top = torch.sort(lp, descending=True, stable=True).indices[:k].tolist() if k else []
+        values = lp[top].tolist() if k else []
+        return TokenLogprobs(float(lp[token]), tuple(zip(top, values, strict=True)))
 
 
 def _find_stop(text: str, stops: Sequence[str], sent: int) -> int | None:

@@ -137,11 +137,16 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
 
         watcher = asyncio.create_task(watch())
         parts: list[str] = []
+        scored: list[protocol.Scored] = []  # where the request asked for logprobs
+        prev: int | None = None  # the answer's token before the next one
         try:
             while True:
                 item = await job.events.get()
                 if isinstance(item, SlotEvent):
                     parts.append(item.text)
+                    if item.logprobs is not None:
+                        scored.append(renderer.scored(prev, item.token, item.logprobs))
+                        prev = item.token
                     continue
                 done: Done = item
                 if job.cancelled:
@@ -149,7 +154,8 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
                 if done.error:
                     return _json(500, protocol.error_body(done.error, type_="server_error"))
                 build = protocol.chat_response if chat else protocol.completion_response
-                return _json(200, build(rid, prompted.model, "".join(parts), done.finish, _usage(done)))
+                lp = logprobs_of(scored, chat) if prompted.request.logprobs is not None else None
+                return _json(200, build(rid, prompted.model, "".join(parts), done.finish, _usage(done), lp))
         except asyncio.CancelledError:
             job.cancel()
             worker.wake()
@@ -157,25 +163,45 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
         finally:
             watcher.cancel()
 
+    def logprobs_of(items: list[protocol.Scored], chat: bool, offset: int = 0) -> dict[str, Any]:
+        return protocol.chat_logprobs(items) if chat else protocol.completion_logprobs(items, offset)
+
     async def _stream(job: Job, prompted: Prompted, rid: str, chat: bool) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = prompted.model
         finished = False
+        pending: list[protocol.Scored] = []  # tokens scored since the last chunk (their text may be held back)
+        offset = 0  # completions: the text_offset of the next token
+        prev: int | None = None  # the answer's token before the next one
+
+        def chunk(text: str) -> bytes:
+            nonlocal pending, offset
+            lp = logprobs_of(pending, chat, offset) if pending else None
+            if lp is not None and not chat:
+                offset += sum(len(s) for s in lp["tokens"])
+            pending = []
+            return protocol.sse(protocol.chat_chunk(rid, model, created, {"content": text}, logprobs_=lp) if chat
+                                else protocol.completion_chunk(rid, model, created, text, logprobs_=lp))
+
         try:
             if chat:
                 yield protocol.sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
             while True:
                 item = await job.events.get()
                 if isinstance(item, SlotEvent):
+                    if item.logprobs is not None:
+                        pending.append(renderer.scored(prev, item.token, item.logprobs))
+                        prev = item.token
                     if item.text:
-                        yield protocol.sse(protocol.chat_chunk(rid, model, created, {"content": item.text}) if chat
-                                           else protocol.completion_chunk(rid, model, created, item.text))
+                        yield chunk(item.text)
                     continue
                 done: Done = item
                 finished = True
                 if done.error:
                     yield protocol.sse(protocol.error_body(done.error, type_="server_error"))
                     break
+                if pending:  # scored tokens whose text never came (held back, then cut by a stop string)
+                    yield chunk("")
                 reason = protocol.finish_reason(done.finish)
                 yield protocol.sse(protocol.chat_chunk(rid, model, created, {}, reason) if chat
                                    else protocol.completion_chunk(rid, model, created, "", reason))

@@ -3,9 +3,15 @@
 Every malformed body is an ``ApiError`` (HTTP 4xx, in OpenAI's error shape ``{"error": {"message",
 "type", "param", "code"}}``) naming the field, what it must be and what was found. Known fields must have
 their documented types; unknown fields are ignored (as vLLM and llama.cpp do, so clients sending newer
-parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, logprobs,
-penalties, ``echo``, ...) are refused by name rather than silently ignored. Two extensions other servers
-share: ``top_k`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
+parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, penalties,
+``echo``, ...) are refused by name rather than silently ignored. Two extensions other servers share:
+``top_k`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
+
+Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs`` 0-20; completions: ``logprobs`` 0-5) are the
+model's own (``TokenLogprobs``: the log-softmax of its logits, before temperature and top-k/p), per generated
+token; a token's text is what it adds to the text after the token before it (``Renderer.token_text``), so the
+entries of an answer join to its text; a character split over several tokens shows as U+FFFD in each (its
+``bytes`` are those of that text).
 
 Chat prompts are rendered with the artifact's own chat template (``sources.chat``), exactly as
 ``kvtrace run --prompt`` renders its one user message, so a one-message chat equals ``kvtrace run``.
@@ -23,7 +29,7 @@ from typing import Any
 
 from kvtrace._errors import KvtraceError, UsageError
 from kvtrace.runtime.generate import Sampling
-from kvtrace.runtime.slots import FinishReason, SlotRequest
+from kvtrace.runtime.slots import MAX_TOP_LOGPROBS, FinishReason, SlotRequest, TokenLogprobs
 
 __all__ = ["MAX_STOP", "ApiError", "Prompted", "Renderer", "chat_request", "completion_request", "error_body"]
 
@@ -114,11 +120,13 @@ def _refuse_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
                        code="unsupported_parameter")
 
 
-_UNSUPPORTED_COMMON = {"n": 1, "logprobs": (False, 0), "top_logprobs": 0, "presence_penalty": 0,
-                       "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}
+_UNSUPPORTED_COMMON = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}
+MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound on ``logprobs``
 _UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": [], "functions": [], "tool_choice": "none",
                      "audio": {}, "prediction": {}, "modalities": (["text"],), "parallel_tool_calls": (True, False)}
 _UNSUPPORTED_COMPLETIONS = {**_UNSUPPORTED_COMMON, "echo": False, "suffix": ""}
+# A scored token for a response: its text, its logprob, and the top alternatives as (text, logprob)
+Scored = tuple[str, float, tuple[tuple[str, float], ...]]
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,20 @@ class Renderer:
 
     def text(self, prompt: str) -> list[int]:
         return self.tokenizer.encode(prompt, add_special_tokens=True).ids
+
+    def token_text(self, prev: int | None, token: int) -> str:
+        """What ``token`` adds to the answer's text after ``prev`` (the answer's token before it, None for its first;
+        special tokens kept): the text of a log-probability entry. Decoded after one token of context, as
+        decoders put spaces between tokens; the first alone, as the answer's text is decoded without the prompt."""
+        dec = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        if prev is None:
+            return dec([token])
+        before, both = dec([prev]), dec([prev, token])
+        return both[len(before):] if both.startswith(before) else dec([token])
+
+    def scored(self, prev: int | None, token: int, lp: TokenLogprobs) -> Scored:
+        """A generated ``token`` (after ``prev``) and its log-probabilities, as texts for a response."""
+        return (self.token_text(prev, token), lp.logprob, tuple((self.token_text(prev, i), v) for i, v in lp.top))
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
@@ -204,7 +226,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
-            ids: list[int]) -> tuple[SlotRequest, bool, bool]:
+            ids: list[int], logprobs: int | None) -> tuple[SlotRequest, bool, bool]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(f"model must be a string, got {_short(model)}", param="model")
@@ -229,8 +251,19 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
     sampling = Sampling(temperature=renderer.temperature if temperature is None else temperature, top_k=top_k,
                         top_p=top_p, seed=None if seed is None else seed % 2**63)
     stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
-    req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body))
+    req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body),
+                      logprobs=logprobs)
     return req, stream, include_usage
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """``logprobs: true`` (and ``top_logprobs``, 0-20, which needs it) -> how many alternatives, or None."""
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if not _bool(body, "logprobs"):
+        if top:
+            raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return None
+    return top or 0
 
 
 def chat_request(body: dict[str, Any], renderer: Renderer, model: str) -> Prompted:
@@ -244,7 +277,7 @@ def chat_request(body: dict[str, Any], renderer: Renderer, model: str) -> Prompt
     messages = _messages(body)
     _validate_scalars(body)
     ids = renderer.chat(messages)
-    req, stream, usage = _common(body, None, renderer, ids)
+    req, stream, usage = _common(body, None, renderer, ids, _chat_logprobs(body))
     return Prompted(req, stream, usage, model)
 
 
@@ -267,13 +300,17 @@ def completion_request(body: dict[str, Any], renderer: Renderer, model: str) -> 
     else:
         raise ApiError(f"prompt must be a string, a one-string array or a non-empty array of token ids (one prompt "
                        f"per request), got {_short(prompt)}", param="prompt")
-    req, stream, usage = _common(body, COMPLETIONS_DEFAULT_MAX_TOKENS, renderer, ids)
+    logprobs = body.get("logprobs")
+    if logprobs is False:  # some clients send false for "none"
+        logprobs = None
+    req, stream, usage = _common(body, COMPLETIONS_DEFAULT_MAX_TOKENS, renderer, ids,
+                                 _int({"logprobs": logprobs}, "logprobs", 0, MAX_COMPLETION_LOGPROBS))
     return Prompted(req, stream, usage, model)
 
 
 def _validate_scalars(body: dict[str, Any]) -> None:
     """Type errors in the sampling fields before any tokenization work (``_common`` reads them again)."""
-    for name in ("max_tokens", "max_completion_tokens", "seed", "top_k"):
+    for name in ("max_tokens", "max_completion_tokens", "seed", "top_k", "top_logprobs"):
         _int(body, name, -(2**63))
     for name in ("temperature", "top_p"):
         _number(body, name, -math.inf, math.inf)
@@ -295,26 +332,47 @@ def finish_reason(finish: FinishReason | None) -> str | None:
     return None if finish is None else finish.openai
 
 
+def chat_logprobs(items: Sequence[Scored]) -> dict[str, Any]:
+    """A chat choice's ``logprobs``: {"content": [{token, logprob, bytes, top_logprobs}, ...], "refusal": None}."""
+    def entry(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(s, lp), "top_logprobs": [entry(a, v) for a, v in top]} for s, lp, top in items],
+            "refusal": None}
+
+
+def completion_logprobs(items: Sequence[Scored], offset: int = 0) -> dict[str, Any]:
+    """A completion choice's legacy ``logprobs``: parallel lists of tokens, their logprobs, {token: logprob} of the
+    most likely, and each token's character offset in the completion text (from ``offset``)."""
+    offsets = []
+    for s, _, _ in items:
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": [s for s, _, _ in items], "token_logprobs": [lp for _, lp, _ in items],
+            "top_logprobs": [dict(top) for _, _, top in items], "text_offset": offsets}
+
+
 def chat_response(rid: str, model: str, text: str, finish: FinishReason | None,
-                  usage_: dict[str, Any]) -> dict[str, Any]:
+                  usage_: dict[str, Any], logprobs_: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": finish_reason(finish)}],
+                         "logprobs": logprobs_, "finish_reason": finish_reason(finish)}],
             "usage": usage_, "system_fingerprint": None}
 
 
 def completion_response(rid: str, model: str, text: str, finish: FinishReason | None,
-                        usage_: dict[str, Any]) -> dict[str, Any]:
+                        usage_: dict[str, Any], logprobs_: dict[str, Any] | None = None) -> dict[str, Any]:
     return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(finish)}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs_, "finish_reason": finish_reason(finish)}],
             "usage": usage_, "system_fingerprint": None}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str], finish: str | None = None,
-               usage_: dict[str, Any] | None = None, choices: bool = True) -> dict[str, Any]:
+               usage_: dict[str, Any] | None = None, choices: bool = True,
+               logprobs_: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                            "system_fingerprint": None,
-                           "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+                           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs_, "finish_reason": finish}]
                            if choices else []}
     if usage_ is not None or not choices:
         out["usage"] = usage_
@@ -322,10 +380,11 @@ def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str], finish
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish: str | None = None,
-                     usage_: dict[str, Any] | None = None, choices: bool = True) -> dict[str, Any]:
+                     usage_: dict[str, Any] | None = None, choices: bool = True,
+                     logprobs_: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created, "model": model,
                            "system_fingerprint": None,
-                           "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+                           "choices": [{"index": 0, "text": text, "logprobs": logprobs_, "finish_reason": finish}]
                            if choices else []}
     if usage_ is not None or not choices:
         out["usage"] = usage_
