@@ -168,7 +168,14 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.runtime.graphs import Capturer, EagerCapturer, GraphStats
     from kvtrace.runtime.jit import JitStats, JittedModel, jit
     from kvtrace.runtime.session import ProgramSet, Session, Snapshot
-    from kvtrace.runtime.slots import FinishReason, SlotEngine, SlotEvent, SlotRequest, SlotSession, TokenLogprobs
+    from kvtrace.runtime.slots import (
+        FinishReason,
+        SlotEngine,
+        SlotEvent,
+        SlotRequest,
+        SlotSession,
+        TokenLogprobs,
+    )
     from kvtrace.spec.cache import BufferSpec, CacheSpec, LayerKind, LayerSpec, LayerState
     from kvtrace.spec.decoder import Decoder
     from kvtrace.spec.manifest import Manifest

@@ -87,6 +87,26 @@ def test_run_json_and_chat_template(artifact, capsys):
     assert out["new_tokens"] == len(out["tokens"])
 
 
+def test_run_applies_the_penalty_flags(artifact, capsys):
+    """--repetition-penalty / --presence-penalty / --frequency-penalty reach the generation: the answer is that of
+    generate with the same Sampling (seeded at temperature 2, so the random tiny model does not stop at once)."""
+    import kvtrace
+    from kvtrace.runtime.generate import Sampling, generate
+
+    main(["run", str(artifact), "--prompt", "hello", "--max-len", "20", "--raw", "--json", "--temperature", "2",
+          "--seed", "1", "--repetition-penalty", "1.8", "--presence-penalty", "0.5", "--frequency-penalty", "1"])
+    got = json.loads(capsys.readouterr().out)
+    art = kvtrace.load(artifact)
+    ids = art.tokenizer().encode("hello", add_special_tokens=True).ids
+
+    def answer(**penalties):
+        return generate(art.session(), ids, max_new_tokens=20 - len(ids), eos_ids=art.manifest.eos_ids,
+                        sampling=Sampling(temperature=2.0, seed=1, **penalties)).tokens
+
+    want = answer(repetition_penalty=1.8, presence_penalty=0.5, frequency_penalty=1.0)
+    assert got["tokens"] == want and want != answer(), "the penalties change this answer"
+
+
 def test_run_is_deterministic_with_seed(artifact, capsys):
     args = ["run", str(artifact), "--prompt", "hello", "--max-len", "16", "--raw", "--json",
             "--temperature", "1.0", "--top-k", "5", "--seed", "3"]
@@ -447,6 +467,9 @@ def _only_line(capsys) -> str:
         (["--seed", str(2**70)], "--seed: expected a whole number in [0,"),
         (["--max-len", "0"], "--max-len: expected a whole number >= 1, got 0"),
         (["--max-len", "ten"], "--max-len: expected a whole number >= 1, got 'ten'"),
+        (["--repetition-penalty", "0"], "--repetition-penalty: expected a number > 0, got '0'"),
+        (["--presence-penalty", "2.5"], "--presence-penalty: expected a number in [-2, 2] (0 = off), got '2.5'"),
+        (["--frequency-penalty", "nan"], "--frequency-penalty: expected a finite number"),
     ],
 )
 def test_bad_sampling_and_size_flags_are_one_line_exit_2(flags, expected, artifact, capsys):

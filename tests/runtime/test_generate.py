@@ -6,19 +6,20 @@ import pytest
 import torch
 
 from kvtrace._errors import CacheOverflowError, UsageError
-from kvtrace.runtime.generate import Sampling, _TextStream, generate, sample, stream
+from kvtrace.runtime.generate import Penalties, Sampling, _TextStream, generate, sample, stream
 from kvtrace.runtime.session import Session
 from kvtrace.spec.cache import CacheSpec, LayerKind, LayerSpec
 
 V = 16
 
 
-def _script_program(next_of):
-    """A fake program: logits favour next_of(last token); state[0] counts calls so the cache is touched."""
+def _script_program(next_of, others=-10.0):
+    """A fake program: logits favour next_of(last token) (10, the others ``others``); state[0] counts calls so the
+    cache is touched."""
 
     def run(tokens, input_pos, *state):
         state[0].add_(1)
-        logits = torch.full((tokens.shape[0], tokens.shape[1], V), -10.0)
+        logits = torch.full((tokens.shape[0], tokens.shape[1], V), others)
         for t in range(tokens.shape[1]):
             logits[:, t, next_of(int(tokens[0, t]))] = 10.0
         return logits
@@ -26,10 +27,10 @@ def _script_program(next_of):
     return run
 
 
-def _session(next_of, max_seq_len=32):
+def _session(next_of, max_seq_len=32, others=-10.0):
     spec = CacheSpec(layers=(LayerSpec(LayerKind.FULL, 1, 2, max_seq_len),), batch_size=1,
                      max_seq_len=max_seq_len, dtype="float32")
-    prog = _script_program(next_of)
+    prog = _script_program(next_of, others)
     return Session(spec, prog, prog)
 
 
@@ -74,10 +75,38 @@ def test_sampling_is_seeded_and_filters():
 
 
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"temperature": float("nan")}, {"temperature": float("inf")},
-                                    {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": float("nan")}])
+                                    {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": float("nan")},
+                                    {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")},
+                                    {"presence_penalty": 2.5}, {"frequency_penalty": float("nan")}])
 def test_bad_sampling_settings(kwargs):
     with pytest.raises(UsageError):
         Sampling(**kwargs)
+
+
+def test_penalties_reshape_the_logits_by_what_the_generation_holds():
+    """repetition: a seen token's positive logit divided, a negative one multiplied (prompt and output); presence
+    and frequency: subtracted for the output's tokens, frequency once per occurrence."""
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])  # [1, V=5]
+    rep = Penalties(Sampling(repetition_penalty=2.0), [0, 1])  # the prompt holds 0 and 1
+    assert rep.apply(logits).tolist() == [[1.0, -4.0, 2.0, -2.0, 1.0]]
+    rep.add(torch.tensor([[2]]))
+    assert rep.apply(logits).tolist() == [[1.0, -4.0, 1.0, -2.0, 1.0]]
+    openai = Penalties(Sampling(presence_penalty=0.5, frequency_penalty=0.25), [0, 1])  # the prompt does not count
+    assert openai.apply(logits).tolist() == logits.tolist()
+    for t in (4, 4, 3):
+        openai.add(t)
+    assert openai.apply(logits).tolist() == [[2.0, -2.0, 2.0, -2.75, 0.0]]  # 4: 1 - 0.5 - 2 * 0.25
+    with pytest.raises(UsageError, match="pass the generation's Penalties"):
+        sample(logits, Sampling(repetition_penalty=1.5), None)
+    assert not Sampling().penalized and Sampling(frequency_penalty=-1).penalized
+
+
+def test_a_repetition_penalty_breaks_a_greedy_loop():
+    loop = lambda t: 5 if t == 4 else 4  # noqa: E731 - 4 -> 5 -> 4 -> 5 ...
+    assert generate(_session(loop, others=5.0), [1], max_new_tokens=6).tokens == [4, 5, 4, 5, 4, 5]
+    # the loop's logit 10 becomes 10 / 3 once seen, below the unseen tokens' 5 (the prompt's 1 is seen too)
+    res = generate(_session(loop, others=5.0), [1], max_new_tokens=6, sampling=Sampling(repetition_penalty=3.0))
+    assert res.tokens[0] == 4 and len(set(res.tokens)) == 6 and 1 not in res.tokens
 
 
 def test_bad_prompts():

@@ -142,6 +142,21 @@ def test_seeded_sampling_and_stop_ids_per_request_equal_solo(exported):
     assert out[1] == ref[1].tokens[:cut]
 
 
+def test_penalized_requests_beside_plain_ones_equal_solo_runs(exported):
+    """Penalties (greedy and sampled) keep their own counts per request; batched beside plain greedy rows, every
+    answer is its solo run's with the same Sampling."""
+    solo, art = exported
+    prompts = _prompts((6, 9, 4, 12), seed=31)
+    samplings = [Sampling(repetition_penalty=1.5), Sampling(), Sampling(temperature=0.9, seed=4, frequency_penalty=1.0,
+                                                                        presence_penalty=0.5), Sampling()]
+    reqs = [SlotRequest(p, max_tokens=20, sampling=s) for p, s in zip(prompts, samplings, strict=True)]
+    out = run_staggered(art.slot_engine(), reqs)
+    refs = [generate(solo.session(), p, max_new_tokens=20, sampling=s).tokens
+            for p, s in zip(prompts, samplings, strict=True)]
+    assert [out[i] for i in range(4)] == refs
+    assert refs[0] != generate(solo.session(), prompts[0], max_new_tokens=20).tokens, "the penalty changed the answer"
+
+
 def test_max_seq_len_is_checked_per_slot_before_anything_runs(exported):
     _, art = exported
     engine = art.slot_engine(max_seq_len=32)

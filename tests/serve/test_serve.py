@@ -216,6 +216,20 @@ def test_stop_sequences_and_seeded_sampling(server, client):
                                                         Sampling(temperature=1.0, top_p=0.9, seed=11))[0]
 
 
+def test_penalties_over_http_equal_a_solo_run(server, client):
+    msgs = [{"role": "user", "content": "cat"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=20, temperature=0, frequency_penalty=1.5,
+                                       presence_penalty=0.5, extra_body={"repetition_penalty": 1.3})
+    want = server.solo_text(server.chat_ids(msgs), 20, Sampling(frequency_penalty=1.5, presence_penalty=0.5,
+                                                               repetition_penalty=1.3))[0]
+    assert r.choices[0].message.content == want != server.solo_text(server.chat_ids(msgs), 20)[0]
+    for body, words in [({"frequency_penalty": 2.5}, "frequency_penalty must be in [-2.0, 2.0]"),
+                        ({"repetition_penalty": 0}, "repetition_penalty must be in (0.0, inf]"),
+                        ({"presence_penalty": "high"}, "presence_penalty must be a number")]:
+        bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, **body})
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
+
+
 def test_models_health_and_metrics(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [server.art.manifest.model_name]

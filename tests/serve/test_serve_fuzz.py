@@ -40,6 +40,8 @@ FIELDS = {
     "stream": st.one_of(st.booleans(), JSON),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), JSON),
     "n": st.one_of(st.integers(0, 3), JSON),
+    "presence_penalty": st.one_of(st.floats(-3, 3), JSON), "frequency_penalty": st.one_of(st.floats(-3, 3), JSON),
+    "repetition_penalty": st.one_of(st.floats(-1, 3), JSON),
     "model": st.one_of(st.text(max_size=8), JSON),
     "logprobs": st.one_of(st.booleans(), st.integers(-1, 7), JSON), "top_logprobs": st.one_of(st.integers(-1, 22), JSON),
     "tools": JSON, "response_format": JSON, "echo": JSON, "ignore_eos": JSON,
@@ -50,6 +52,7 @@ GOOD_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system",
 GOOD_FIELDS = {
     "temperature": st.floats(0, 2), "top_p": st.floats(0.05, 1), "top_k": st.integers(1, 8),
     "seed": st.integers(0, 2**63 - 1), "stop": st.lists(st.text(min_size=1, max_size=3), max_size=4),
+    "presence_penalty": st.floats(-2, 2), "frequency_penalty": st.floats(-2, 2), "repetition_penalty": st.floats(0.5, 2),
     "stream": st.booleans(), "max_completion_tokens": st.integers(1, 8), "n": st.just(1), "ignore_eos": st.booleans(),
     "model": st.text(max_size=8), "user": st.text(max_size=5), "unknown_field": JSON,
 }

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 
 class Parser(argparse.ArgumentParser):
@@ -192,11 +192,46 @@ def tiered_arg(p: argparse.ArgumentParser) -> None:
                         "programs between two tokens, the cache kept)")
 
 
-def sampling_args(p: argparse.ArgumentParser) -> None:
+def penalty(text: str) -> float:
+    v = number(text)
+    if not -2 <= v <= 2:
+        raise argparse.ArgumentTypeError(f"expected a number in [-2, 2] (0 = off), got {text!r}")
+    return v
+
+
+def positive_number(text: str) -> float:
+    v = number(text)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    return v
+
+
+def sampling_knobs(p: argparse.ArgumentParser) -> None:
+    """Sampling's options (``sampling_of`` reads them back)."""
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=POSITIVE, default=None)
     p.add_argument("--top-p", type=probability, default=None, help="in (0, 1]")
     p.add_argument("--seed", type=SEED, default=None)
+    p.add_argument("--repetition-penalty", type=positive_number, default=1.0, metavar="R",
+                   help="divide the logit of a token already in the prompt or the answer by R (multiply, if "
+                        "negative) before sampling, greedy too (1 = off, the default; 1.1-1.3 curbs loops)")
+    p.add_argument("--presence-penalty", type=penalty, default=0.0, metavar="P",
+                   help="subtract P from the logit of a token already in the answer (OpenAI's; [-2, 2], default 0)")
+    p.add_argument("--frequency-penalty", type=penalty, default=0.0, metavar="F",
+                   help="subtract F times the number of times a token is already in the answer (OpenAI's; [-2, 2], "
+                        "default 0)")
+
+
+def sampling_of(args: argparse.Namespace) -> Any:
+    """The ``Sampling`` that ``sampling_knobs``' options ask for."""
+    from kvtrace.runtime.generate import Sampling
+
+    return Sampling(args.temperature, args.top_k, args.top_p, args.seed, repetition_penalty=args.repetition_penalty,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+
+
+def sampling_args(p: argparse.ArgumentParser) -> None:
+    sampling_knobs(p)
     g = p.add_mutually_exclusive_group()
     g.add_argument("--chat", dest="chat", action="store_true", default=True, help="apply the chat template (default)")
     g.add_argument("--raw", dest="chat", action="store_false", help="feed the prompt as plain text")

@@ -17,12 +17,11 @@ from typing import Any
 from kvtrace._errors import KvtraceError, UsageError
 from kvtrace.cli.args import (
     POSITIVE,
-    SEED,
     backend_arg,
     huge_pages_arg,
-    probability,
     quant_args,
-    temperature,
+    sampling_knobs,
+    sampling_of,
     tiered_arg,
 )
 from kvtrace.cli.ui import UI
@@ -79,9 +78,8 @@ def _answer(conv: Any, text: str, args: argparse.Namespace, write: Callable[[str
     """One turn, streamed through ``write``; Ctrl-C stops it and keeps what was written. With a ``tier``
     the session switches to the compiled programs between two tokens once they are built."""
     from kvtrace.cli.generate import Switch
-    from kvtrace.runtime.generate import Sampling
 
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = sampling_of(args)
     switch = Switch(conv.session.label)
     if tier is not None and tier.poll(conv.session, finish_loading=True):  # built while the user was typing
         switch.now(conv.session.label)
@@ -194,9 +192,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     quant_args(p, auto=True)
     tiered_arg(p)
-    p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=POSITIVE, default=None)
-    p.add_argument("--top-p", type=probability, default=None, help="in (0, 1]")
-    p.add_argument("--seed", type=SEED, default=None)
+    sampling_knobs(p)
     huge_pages_arg(p)
     p.set_defaults(func=cmd_chat)

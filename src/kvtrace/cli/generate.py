@@ -22,6 +22,7 @@ from kvtrace.cli.args import (
     kv_dtype_arg,
     quant_args,
     sampling_args,
+    sampling_of,
     tiered_arg,
 )
 from kvtrace.cli.ui import UI
@@ -56,7 +57,7 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
                   tier: Any = None) -> dict[str, Any]:
     """Stream the answer to stdout. ``tier`` (an ``artifact.tiered.Tiered``): the session starts on its eager
     programs and switches to the compiled ones between two tokens once their background build lands."""
-    from kvtrace.runtime.generate import Sampling, stream
+    from kvtrace.runtime.generate import stream
 
     ids = encode(art, prompt, args.chat)
     room = art.cache_spec.max_seq_len - len(ids)
@@ -66,7 +67,7 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
             "Shorten the prompt or export with a larger --max-seq-len"
         )
     tok = art.tokenizer()
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+    sampling = sampling_of(args)
     inputs = image_inputs(art, getattr(args, "image_features", None))
     session = art.session(cuda_graphs=getattr(args, "cuda_graphs", False))
     gen = stream(session, ids, max_new_tokens=min(max_new, room), sampling=sampling, inputs=inputs,

@@ -17,17 +17,29 @@ import torch
 from kvtrace._errors import CacheOverflowError, UsageError
 from kvtrace.runtime.session import Session
 
-__all__ = ["Chunk", "Generation", "GenerationResult", "GenerationStats", "Sampling", "generate", "sample", "stream"]
+__all__ = ["Chunk", "Generation", "GenerationResult", "GenerationStats", "Penalties", "Sampling", "generate", "sample",
+           "stream"]
+
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's bounds)
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """temperature 0 means greedy; top_k/top_p filter before sampling; seed makes it repeatable."""
+    """temperature 0 means greedy; top_k/top_p filter before sampling; seed makes it repeatable.
+
+    Penalties reshape the logits before any of that (greedy too), from what the generation holds so far
+    (``Penalties``): ``repetition_penalty`` r (HF's and llama.cpp's; 1 = off) divides the logit of every token
+    already in the prompt or the output by r where it is positive and multiplies it by r where it is negative;
+    ``presence_penalty`` p and ``frequency_penalty`` f (OpenAI's, in [-2, 2]) subtract p from the logit of every
+    token already in the output and f times the number of times it is there."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -36,6 +48,51 @@ class Sampling:
             raise UsageError(f"top_k must be >= 1, got {self.top_k}")
         if self.top_p is not None and not 0 < self.top_p <= 1:  # NaN fails this too
             raise UsageError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise UsageError(f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails this too
+                raise UsageError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {v}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty is on (then sampling needs the generation's ``Penalties``)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+class Penalties:
+    """What ``Sampling``'s penalties read, for one generation: which tokens the prompt and the output hold
+    (``seen [V]``) and how often the output holds each (``counts [V]``), on the logits' device (made at the first
+    ``apply``, so nothing goes back to the host). ``add`` each sampled token."""
+
+    def __init__(self, sampling: Sampling, prompt: Sequence[int] | torch.Tensor):
+        self.sampling = sampling
+        self._prompt = torch.as_tensor(prompt, dtype=torch.int64).reshape(-1)  # [P]
+        self._counts: torch.Tensor | None = None  # [V] float32: the output's tokens
+        self._seen: torch.Tensor | None = None  # [V] bool: the prompt's and the output's
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> penalized float32 logits [B, V] (every row by this generation's tokens)."""
+        s, x = self.sampling, logits.float()
+        if self._counts is None:
+            self._counts = torch.zeros(x.shape[-1], dtype=torch.float32, device=x.device)
+            self._seen = torch.zeros(x.shape[-1], dtype=torch.bool, device=x.device)
+            self._seen[self._prompt.to(x.device)] = True
+        if s.repetition_penalty != 1:
+            r = s.repetition_penalty
+            x = torch.where(self._seen, torch.where(x > 0, x / r, x * r), x)
+        if s.frequency_penalty or s.presence_penalty:
+            x = x - self._counts * s.frequency_penalty - (self._counts > 0).float() * s.presence_penalty
+        return x
+
+    def add(self, token: torch.Tensor | int) -> None:
+        """Count a sampled ``token`` (an int or a [1, 1] tensor on the logits' device) as part of the output."""
+        if self._counts is None:
+            raise UsageError("Penalties.add before apply: apply the penalties to the first logits first")
+        idx = torch.as_tensor(token, device=self._counts.device).reshape(-1)  # [1]
+        self._counts.index_add_(0, idx, torch.ones(1, device=self._counts.device))
+        self._seen[idx] = True
 
 
 @dataclass
@@ -78,8 +135,13 @@ class GenerationResult:
     stats: GenerationStats = field(default_factory=GenerationStats)
 
 
-def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
-    """logits [B, V] -> next token ids [B, 1]."""
+def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None,
+           penalties: Penalties | None = None) -> torch.Tensor:
+    """logits [B, V] -> next token ids [B, 1]; ``penalties`` (needed where ``s.penalized``) first reshape them."""
+    if s.penalized:
+        if penalties is None:
+            raise UsageError("this Sampling has penalties; pass the generation's Penalties to sample")
+        logits = penalties.apply(logits)
     if s.temperature == 0:
         return logits.argmax(-1, keepdim=True)
     # shifted so the largest is 0 and kept at 0: a temperature so small it rounds to 0 in float32 (1e-300) then
@@ -171,6 +233,7 @@ class Generation:
         s, res, st = self._sampling, self.result, self.result.stats
         # sampling runs where the logits are (the session's device): only the sampled id comes back to the host
         gen = torch.Generator(device=session.device).manual_seed(s.seed) if s.seed is not None else None
+        pen = Penalties(s, ids) if s.penalized else None
         stream = _TextStream(self._decode_text) if self._decode_text is not None else None
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -180,7 +243,9 @@ class Generation:
         t1 = time.perf_counter()
         while True:
             with torch.inference_mode():
-                tok = sample(logits, s, gen)  # [1, 1]
+                tok = sample(logits, s, gen, pen)  # [1, 1]
+                if pen is not None:
+                    pen.add(tok)
             t = int(tok)
             if t in eos:
                 st.stop_reason = "eos"

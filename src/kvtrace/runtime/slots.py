@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from kvtrace._errors import CacheOverflowError, UsageError
-from kvtrace.runtime.generate import Sampling, _TextStream, sample
+from kvtrace.runtime.generate import Penalties, Sampling, _TextStream, sample
 from kvtrace.runtime.prefix import reusable
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import ProgramSpec
@@ -133,7 +133,8 @@ class _Active:
         self.order = order  # admission order: the oldest still-prefilling request gets the next chunk
         self.limit = limit  # at most this many new tokens (max_tokens, or what the cache leaves)
         self.gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
-        self.greedy = s.temperature == 0
+        self.penalties = Penalties(s, request.prompt) if s.penalized else None
+        self.greedy = s.temperature == 0 and self.penalties is None  # a plain argmax, batched over such rows
         self.stop_ids = frozenset(request.stop_ids)
         self.position = cached  # tokens in this slot's cache row (while prefilling: the prompt tokens in it; it
         # starts at the prefix the row already held, prefix cache)
@@ -417,7 +418,10 @@ class SlotEngine:
         with torch.inference_mode():
             for i, a in enumerate(acts):
                 if not a.greedy:
-                    picked[i] = int(sample(logits[i : i + 1], a.request.sampling, a.gen))
+                    tok = sample(logits[i : i + 1], a.request.sampling, a.gen, a.penalties)  # [1, 1]
+                    if a.penalties is not None:
+                        a.penalties.add(tok)
+                    picked[i] = int(tok)
         events = []
         for i, (slot, a) in enumerate(zip(rows, acts, strict=True)):
             k = a.request.logprobs

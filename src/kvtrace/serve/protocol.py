@@ -3,9 +3,10 @@
 Every malformed body is an ``ApiError`` (HTTP 4xx, in OpenAI's error shape ``{"error": {"message",
 "type", "param", "code"}}``) naming the field, what it must be and what was found. Known fields must have
 their documented types; unknown fields are ignored (as vLLM and llama.cpp do, so clients sending newer
-parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, penalties,
-``echo``, ...) are refused by name rather than silently ignored. Two extensions other servers share:
-``top_k`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
+parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, ``logit_bias``,
+``echo``, ...) are refused by name rather than silently ignored. Three extensions other servers share:
+``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
+``presence_penalty`` / ``frequency_penalty`` (OpenAI's) and ``repetition_penalty`` are ``Sampling``'s.
 
 Log-probabilities (chat: ``logprobs: true`` and ``top_logprobs`` 0-20; completions: ``logprobs`` 0-5) are the
 model's own (``TokenLogprobs``: the log-softmax of its logits, before temperature and top-k/p), per generated
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrace._errors import KvtraceError, UsageError
-from kvtrace.runtime.generate import Sampling
+from kvtrace.runtime.generate import MAX_PENALTY, Sampling
 from kvtrace.runtime.slots import MAX_TOP_LOGPROBS, FinishReason, SlotRequest, TokenLogprobs
 
 __all__ = ["MAX_STOP", "ApiError", "Prompted", "Renderer", "chat_request", "completion_request", "error_body"]
@@ -120,7 +121,7 @@ def _refuse_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
                        code="unsupported_parameter")
 
 
-_UNSUPPORTED_COMMON = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}
+_UNSUPPORTED_COMMON = {"n": 1, "logit_bias": {}, "best_of": 1}
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound on ``logprobs``
 _UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": [], "functions": [], "tool_choice": "none",
                      "audio": {}, "prediction": {}, "modalities": (["text"],), "parallel_tool_calls": (True, False)}
@@ -248,8 +249,12 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
     for name in ("user", "model"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise ApiError(f"{name} must be a string, got {_short(body[name])}", param=name)
+    penalties = {name: v for name in ("presence_penalty", "frequency_penalty")
+                 if (v := _number(body, name, -MAX_PENALTY, MAX_PENALTY)) is not None}
+    repetition = _number(body, "repetition_penalty", 0.0, math.inf, lo_open=True)  # vLLM's and llama.cpp's
     sampling = Sampling(temperature=renderer.temperature if temperature is None else temperature, top_k=top_k,
-                        top_p=top_p, seed=None if seed is None else seed % 2**63)
+                        top_p=top_p, seed=None if seed is None else seed % 2**63,
+                        repetition_penalty=1.0 if repetition is None else repetition, **penalties)
     stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
     req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body),
                       logprobs=logprobs)
@@ -312,7 +317,7 @@ def _validate_scalars(body: dict[str, Any]) -> None:
     """Type errors in the sampling fields before any tokenization work (``_common`` reads them again)."""
     for name in ("max_tokens", "max_completion_tokens", "seed", "top_k", "top_logprobs"):
         _int(body, name, -(2**63))
-    for name in ("temperature", "top_p"):
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
         _number(body, name, -math.inf, math.inf)
 
 
