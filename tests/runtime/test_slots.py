@@ -545,7 +545,7 @@ def test_random_schedules_answer_as_solo_runs(request, which):
             memo[key] = generate(solo.session(), prompt, max_new_tokens=n).tokens
         return memo[key]
 
-    @settings(max_examples=_LONG or 25, deadline=None, derandomize=not _LONG, database=None,
+    @settings(max_examples=_LONG or 15, deadline=None, derandomize=not _LONG, database=None,
               suppress_health_check=[HealthCheck.too_slow])
     @given(_schedule())
     def run(case):
