@@ -30,7 +30,7 @@ import time
 
 from kvtrace.artifact.store import cached_artifact
 from kvtrace.serve import SERVE_BACKEND
-from kvtrace.serve.bench import _free_port, _wait_healthy
+from kvtrace.serve.bench import _free_port, _stop_server, _wait_healthy
 
 DOC = ("A key-value cache stores the keys and values that a transformer's attention layers computed for earlier "
        "tokens, so that generating the next token needs only the new token's projections. Its size grows with "
@@ -94,11 +94,7 @@ def run_server(path, prefix: bool, env: dict, args) -> tuple[list[list[dict]], f
         asyncio.run(conversations(url, 1, 1, 4, "hello"))  # warm-up
         return asyncio.run(conversations(url, args.clients, args.turns, args.new_tokens, args.doc))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop_server(proc)
 
 
 def main() -> None:

@@ -43,13 +43,13 @@ FAMILY_ARCHS = {
 
 # The default suite (``make check``, the first stage of ``make test``) runs every test that neither loads the real
 # model (``slow``) nor compiles (``compile``), plus these compile tests, one per compiled path: the seed scenario
-# through the Inductor jit, a jit trust check, the vision decoder through Inductor, an AOTI artifact step by step,
-# aoti-packed, an ExecuTorch .pte, a GGUF-native quantized artifact. Every other compile test runs in
+# through the Inductor jit, a jit trust check, an AOTI artifact step by step, aoti-packed, an ExecuTorch .pte, a
+# GGUF-native quantized artifact. (The vision decoder through Inductor moved to the second stage in stop 51, to keep
+# the default suite under 15 minutes: its exported artifact is verified in the first.) Every other compile test runs in
 # ``make test``'s second stage, with the real-model tests (CI runs both stages).
 ESSENTIAL = (
     "tests/runtime/test_jit.py::test_seed_scenario[inductor]",
     "tests/runtime/test_jit_trust.py::test_branch_on_symbolic_cache_length_is_checked_every_call_inductor",
-    "tests/runtime/test_jit_mllama.py::test_image_generation_matches_eager[inductor]",
     "tests/artifact/test_export.py::test_logits_and_cache_match_eager_step_by_step[llama-aoti]",
     "tests/artifact/test_export.py::test_aoti_packed_matches_eager_with_one_program_holding_the_weights[float32-all]",
     "tests/backends/test_executorch.py::test_llama_pte_verifies_logits_and_every_cache_layer",
@@ -73,8 +73,9 @@ VARIANTS = (
     "tests/tools/test_lint.py::test_lint_reports_nothing_for_the_real_adapters[qwen2]",
     "tests/tools/test_lint.py::test_real_adapters_capture_once_per_size_class_with_no_length_baked_in[mistral]",
     "tests/tools/test_lint.py::test_lint_reports_a_planted_length[branch-on-length]",
+    # all three (stop 51: gemma2 too); test_a_jit_that_keys_no_regime_is_flagged stays in the default suite
     *(f"tests/tools/test_lint_sliding.py::test_crossing_and_wrapping_the_window_is_clean_with_one_program_per_regime[{f}]"
-      for f in ("mistral", "qwen2")),
+      for f in ("mistral", "qwen2", "gemma2")),
     # slots artifacts: Gemma 2's hybrid ring + full cache stays in the default suite (and the schedule fuzz's int8 one)
     *(f"tests/runtime/test_slots.py::test_slots_artifacts_of_sliding_int8_and_other_families_answer_as_solo_runs[{f}]"
       for f in ("mistral-sliding-int8", "hf-gpt_neox")),

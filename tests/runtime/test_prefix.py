@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from tests.conftest import tiny_model
-from tests.runtime.test_slots import MAX_SEQ, SLOTS, _prompts, assert_free_rows_hold_their_tokens
+from tests.runtime.test_slots import MAX_SEQ, _prompts, assert_free_rows_hold_their_tokens, export_pair
 
 import kvtrace
 from kvtrace.runtime.generate import generate
@@ -33,12 +33,7 @@ def test_common_prefix_and_what_a_cache_may_keep():
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """(solo batch-1 artifact, 4-slot artifact) of one tiny Llama, backend exported."""
-    d = tmp_path_factory.mktemp("prefix")
-    m = tiny_model("llama")
-    kvtrace.export(m, d / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last")
-    kvtrace.export(m, d / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, prefill_logits="last")
-    return kvtrace.load(d / "solo.kvt"), kvtrace.load(d / "slots.kvt")
+    return export_pair(tmp_path_factory.mktemp("prefix"))
 
 
 def _answer(engine: SlotEngine, request: SlotRequest) -> tuple[int, int, list[int]]:

@@ -20,14 +20,17 @@ def _prompts(lengths, seed=0, vocab=128):
     return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory):
-    """(solo batch-1 artifact, slots artifact) of one tiny Llama, backend exported."""
-    d = tmp_path_factory.mktemp("slots")
+def export_pair(d) -> tuple[kvtrace.Artifact, kvtrace.Artifact]:
+    """(solo batch-1 artifact, SLOTS-slot artifact) of one tiny Llama in ``d``, backend exported."""
     m = tiny_model("llama")
     kvtrace.export(m, d / "solo.kvt", max_seq_len=MAX_SEQ, prefill_logits="last")
     kvtrace.export(m, d / "slots.kvt", max_seq_len=MAX_SEQ, slots=SLOTS, prefill_logits="last")
     return kvtrace.load(d / "solo.kvt"), kvtrace.load(d / "slots.kvt")
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    return export_pair(tmp_path_factory.mktemp("slots"))
 
 
 def _held_slots(spec, state, position):

@@ -185,6 +185,15 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 600)
     raise UsageError(f"the server did not answer {url}/health within {timeout:.0f}s")
 
 
+def _stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM a server process (it answers what is in flight "shutting down"), SIGKILL it after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def _run_baseline(path: Path, prompt: str, max_len: int, runs: int, env: dict[str, str],
                   extra: Sequence[str] = ()) -> list[float]:
     """``kvtrace run`` decode tokens/s, one fresh process per run (``extra``: more of its flags)."""
@@ -246,11 +255,7 @@ def run_serve_bench(model: str | None = None, *, clients: Sequence[int] = (1, 2,
                 levels.append(asyncio.run(_level(url, c, requests_per_client, new_tokens, PROMPTS)))
                 _add_server_side(levels[-1], before, _server_sums(url))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        _stop_server(proc)
     with progress(f"baseline again: kvtrace run x{baseline_runs} (fresh processes)"):
         base += baseline()
     one = levels[0].aggregate_tok_s if levels else 0.0
