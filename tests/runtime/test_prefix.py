@@ -31,6 +31,21 @@ def test_common_prefix_and_what_a_cache_may_keep():
     assert reusable(ring, held[:6], [*held[:3], 99]) == 3
 
 
+def test_a_cache_with_shared_extra_state_keeps_nothing():
+    """The vision decoder's cross-attention flags belong to the whole cache: Session.rewind refuses it, so neither
+    a prefix nor a one-slot engine's row is kept (the engine resets it when a request ends)."""
+    from tests.conftest import tiny_mllama
+
+    from kvtrace.models.registry import make_decoder
+    from kvtrace.spec.program import program_specs
+
+    decoder = make_decoder(tiny_mllama(), max_seq_len=32)
+    spec = decoder.cache_spec
+    assert spec.extra and reusable(spec, list(range(10)), [*range(10), 5]) == 0
+    programs = {p.name: (p, None) for p in program_specs(decoder) if p.name in ("prefill", "decode")}
+    assert not SlotEngine(spec, programs, prefix_cache=True).prefix_cache
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     return export_pair(tmp_path_factory.mktemp("prefix"))

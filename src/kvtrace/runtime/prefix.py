@@ -9,7 +9,9 @@ Two limits apply (``reusable``):
 - at least one prompt token is prefilled, whose logits start the answer (at most ``len(prompt) - 1`` kept);
 - every layer must still hold what the kept prefix reads after the rewind (``KindOps.max_rewind``: any
   rewind for full-attention layers; a sliding-window ring past its window only 0 or 1 token, since the
-  positions the new tokens read were overwritten) — else nothing is kept.
+  positions the new tokens read were overwritten) — else nothing is kept;
+- a cache with extra state shared by its layers (``CacheSpec.extra``: the vision decoder's cross-attention
+  flags) keeps nothing, as ``Session.rewind`` refuses it.
 
 Used by ``Conversation`` (a chat's turns, through ``Session.rewind``) and ``SlotEngine`` (a new request in a
 free slot that held an earlier conversation: ``kvtrace serve``'s prefix cache).
@@ -39,7 +41,7 @@ def reusable(spec: CacheSpec, held: Sequence[int], prompt: Sequence[int]) -> int
     """How many positions of a cache holding ``held`` (its tokens, position ``len(held)``) to keep for ``prompt``:
     their common prefix, at most ``len(prompt) - 1``, or 0 where a layer of ``spec`` cannot rewind that far."""
     keep = min(common_prefix(held, prompt), len(prompt) - 1)
-    if keep <= 0:
+    if keep <= 0 or spec.extra:
         return 0
     drop = len(held) - keep
     if drop and any(drop > kind_of(layer).max_rewind(layer, len(held)) for layer in spec.layers):

@@ -201,7 +201,7 @@ class SlotEngine:
         self.spec = spec
         self.max_seq_len = max_seq_len or spec.max_seq_len
         self.prefill_chunk = prefill_chunk
-        self.prefix_cache = bool(prefix_cache)
+        self.prefix_cache = bool(prefix_cache) and not spec.extra  # shared extra state: never kept (runtime.prefix)
         self.last_step = StepStats()  # what the last admit / step ran
         self._admitted = 0
         self.n_slots = spec.batch_size
