@@ -137,11 +137,19 @@ class GenerationResult:
 
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None,
            penalties: Penalties | None = None) -> torch.Tensor:
-    """logits [B, V] -> next token ids [B, 1]; ``penalties`` (needed where ``s.penalized``) first reshape them."""
-    if s.penalized:
-        if penalties is None:
-            raise UsageError("this Sampling has penalties; pass the generation's Penalties to sample")
-        logits = penalties.apply(logits)
+    """logits [B, V] -> next token ids [B, 1]; ``penalties`` (needed where ``s.penalized``) first reshape them, and
+    count the token sampled (``Penalties.add``: the one place a generation's penalty state advances)."""
+    if not s.penalized:
+        return _pick(logits, s, gen)
+    if penalties is None:
+        raise UsageError("this Sampling has penalties; pass the generation's Penalties to sample")
+    tok = _pick(penalties.apply(logits), s, gen)
+    penalties.add(tok)
+    return tok
+
+
+def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:
+    """Greedy, or temperature / top-k / top-p sampling: logits [B, V] -> ids [B, 1]."""
     if s.temperature == 0:
         return logits.argmax(-1, keepdim=True)
     # shifted so the largest is 0 and kept at 0: a temperature so small it rounds to 0 in float32 (1e-300) then
@@ -244,8 +252,6 @@ class Generation:
         while True:
             with torch.inference_mode():
                 tok = sample(logits, s, gen, pen)  # [1, 1]
-                if pen is not None:
-                    pen.add(tok)
             t = int(tok)
             if t in eos:
                 st.stop_reason = "eos"

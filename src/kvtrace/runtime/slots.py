@@ -418,10 +418,7 @@ class SlotEngine:
         with torch.inference_mode():
             for i, a in enumerate(acts):
                 if not a.greedy:
-                    tok = sample(logits[i : i + 1], a.request.sampling, a.gen, a.penalties)  # [1, 1]
-                    if a.penalties is not None:
-                        a.penalties.add(tok)
-                    picked[i] = int(tok)
+                    picked[i] = int(sample(logits[i : i + 1], a.request.sampling, a.gen, a.penalties))
         events = []
         for i, (slot, a) in enumerate(zip(rows, acts, strict=True)):
             k = a.request.logprobs

@@ -138,15 +138,14 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
         watcher = asyncio.create_task(watch())
         parts: list[str] = []
         scored: list[protocol.Scored] = []  # where the request asked for logprobs
-        prev: int | None = None  # the answer's token before the next one
+        score = renderer.scorer()
         try:
             while True:
                 item = await job.events.get()
                 if isinstance(item, SlotEvent):
                     parts.append(item.text)
                     if item.logprobs is not None:
-                        scored.append(renderer.scored(prev, item.token, item.logprobs))
-                        prev = item.token
+                        scored.append(score(item.token, item.logprobs))
                     continue
                 done: Done = item
                 if job.cancelled:
@@ -172,7 +171,7 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
         finished = False
         pending: list[protocol.Scored] = []  # tokens scored since the last chunk (their text may be held back)
         offset = 0  # completions: the text_offset of the next token
-        prev: int | None = None  # the answer's token before the next one
+        score = renderer.scorer()
 
         def chunk(text: str) -> bytes:
             nonlocal pending, offset
@@ -190,8 +189,7 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
                 item = await job.events.get()
                 if isinstance(item, SlotEvent):
                     if item.logprobs is not None:
-                        pending.append(renderer.scored(prev, item.token, item.logprobs))
-                        prev = item.token
+                        pending.append(score(item.token, item.logprobs))
                     if item.text:
                         yield chunk(item.text)
                     continue

@@ -24,7 +24,7 @@ import json
 import math
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,9 +174,18 @@ class Renderer:
         before, both = dec([prev]), dec([prev, token])
         return both[len(before):] if both.startswith(before) else dec([token])
 
-    def scored(self, prev: int | None, token: int, lp: TokenLogprobs) -> Scored:
-        """A generated ``token`` (after ``prev``) and its log-probabilities, as texts for a response."""
-        return (self.token_text(prev, token), lp.logprob, tuple((self.token_text(prev, i), v) for i, v in lp.top))
+    def scorer(self) -> Callable[[int, TokenLogprobs], Scored]:
+        """For one answer: each generated token in turn and its log-probabilities -> texts for a response (the
+        token before it remembered here)."""
+        prev: int | None = None
+
+        def score(token: int, lp: TokenLogprobs) -> Scored:
+            nonlocal prev
+            out = (self.token_text(prev, token), lp.logprob, tuple((self.token_text(prev, i), v) for i, v in lp.top))
+            prev = token
+            return out
+
+        return score
 
 
 def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
