@@ -38,6 +38,7 @@ from pathlib import Path
 SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp build 0c1e570
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvtrace" / "peers"
 ROOT = Path(__file__).resolve().parent.parent
+TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")  # bench/perplexity.py uses the last
 
 
 def say(msg: str) -> None:
@@ -45,16 +46,16 @@ def say(msg: str) -> None:
 
 
 def tools() -> Path:
-    """The directory holding llama-bench and llama-quantize (built once, then reused)."""
+    """The directory holding llama-bench, llama-quantize and llama-perplexity (built once, then reused)."""
     if os.environ.get("LLAMA_CPP_BIN"):
         return Path(os.environ["LLAMA_CPP_BIN"])
     out = CACHE / SDIST.replace("==", "-") / "bin"
-    if (out / "llama-bench").exists() and (out / "llama-quantize").exists():
+    if all((out / name).exists() for name in TOOLS):
         return out
     for tool in ("cmake", "c++"):
         if shutil.which(tool) is None:
             sys.exit(f"building llama.cpp needs {tool} on PATH (apt-get install cmake g++), or set LLAMA_CPP_BIN "
-                     "to a directory with llama-bench and llama-quantize")
+                     f"to a directory with {', '.join(TOOLS)}")
     with tempfile.TemporaryDirectory() as tmp:
         say(f"downloading {SDIST} (sources only) from PyPI")
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
@@ -65,14 +66,14 @@ def tools() -> Path:
         src = next(Path(tmp).glob("llama_cpp_python-*")) / "vendor" / "llama.cpp"
         build = Path(tmp) / "build"
         gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-        say("building llama-bench and llama-quantize (CPU-native, OpenMP)")
+        say(f"building {', '.join(TOOLS)} (CPU-native, OpenMP)")
         subprocess.run(["cmake", "-S", str(src), "-B", str(build), *gen, "-DCMAKE_BUILD_TYPE=Release",
                         "-DGGML_NATIVE=ON", "-DGGML_OPENMP=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_SERVER=OFF",
                         "-DLLAMA_BUILD_TESTS=OFF", "-DBUILD_SHARED_LIBS=OFF"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-bench", "llama-quantize",
+        subprocess.run(["cmake", "--build", str(build), "--target", *TOOLS,
                         "-j", str(os.cpu_count() or 2)], check=True, stdout=subprocess.DEVNULL)
         out.mkdir(parents=True, exist_ok=True)
-        for name in ("llama-bench", "llama-quantize"):
+        for name in TOOLS:
             shutil.copy2(build / "bin" / name, out / name)
     return out
 

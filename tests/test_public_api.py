@@ -18,7 +18,7 @@ EXPECTED = ERRORS | {
     "GenerationStats", "Chunk", "Conversation", "Turn", "TurnStats", "Capturer", "EagerCapturer", "GraphStats",  # running
     "SlotEngine", "SlotRequest", "SlotEvent", "FinishReason", "SlotSession", "TokenLogprobs",  # many conversations, one cache
     "verify", "VerifyReport", "StepRow", "NoiseFloor", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
-    "DecoderRunner",
+    "DecoderRunner", "perplexity", "PerplexityReport", "PerplexityRow",
     "lint", "LintReport", "Finding",  # tools
 }
 

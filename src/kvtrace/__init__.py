@@ -11,6 +11,7 @@ the plug-in points are ``kvtrace.backends``, ``kvtrace.cache.kinds`` and ``kvtra
     kvtrace.export(src, "s.kvt", slots=8); eng = kvtrace.load("s.kvt").slot_engine()   # 8 conversations, batched
     slot, first = eng.admit(kvtrace.SlotRequest(ids, max_tokens=64)); events = eng.step()
     kvtrace.verify(reference, candidates, [tokens, kvtrace.Prompt(tokens, {"cross_attention_states": x})])
+    kvtrace.perplexity([reference, *candidates], chunks)   # chunks [N, ctx]: llama.cpp's ppl, KL from the first
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ _LAZY = {
     "JitRunner": "kvtrace.tools.runners",
     "SessionRunner": "kvtrace.tools.runners",
     "DecoderRunner": "kvtrace.tools.runners",
+    "perplexity": "kvtrace.tools.perplexity",
+    "PerplexityReport": "kvtrace.tools.perplexity",
+    "PerplexityRow": "kvtrace.tools.perplexity",
     "lint": "kvtrace.tools.lint",
     "LintReport": "kvtrace.tools.lint",
     "Finding": "kvtrace.tools.lint",
@@ -122,6 +126,8 @@ __all__ = [
     "LintReport",
     "Manifest",
     "NoiseFloor",
+    "PerplexityReport",
+    "PerplexityRow",
     "ProgramSet",
     "ProgramSpec",
     "Prompt",
@@ -149,6 +155,7 @@ __all__ = [
     "jit",
     "lint",
     "load",
+    "perplexity",
     "stream",
     "verify",
 ]
@@ -182,6 +189,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from kvtrace.spec.program import InputSpec, ProgramSpec
     from kvtrace.spec.quant import QuantSpec
     from kvtrace.tools.lint import Finding, LintReport, lint
+    from kvtrace.tools.perplexity import PerplexityReport, PerplexityRow, perplexity
     from kvtrace.tools.runners import DecoderRunner, EagerRunner, JitRunner, Prompt, Runner, SessionRunner
     from kvtrace.tools.verify import NoiseFloor, StepRow, VerifyReport, verify
 

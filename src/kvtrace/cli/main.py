@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from kvtrace import __version__
 from kvtrace._errors import CaptureError, KvtraceError
-from kvtrace.cli import bench, cache, chat, export, generate, lint, run, serve, verify
+from kvtrace.cli import bench, cache, chat, export, generate, lint, perplexity, run, serve, verify
 from kvtrace.cli.args import Parser, common
 from kvtrace.cli.ui import UI
 from kvtrace.sources.quiet import quiet_libraries
@@ -29,6 +29,7 @@ EXAMPLES = {
     "cache": "kvtrace cache list\n  kvtrace cache clear",
     "serve": "kvtrace serve --parallel 8            (the default model; OpenAI API on http://127.0.0.1:8000/v1)\n"
              "  kvtrace serve smollm2-slots8.kvt --port 8080 --api-key sk-local",
+    "perplexity": "kvtrace perplexity --text wiki.test.raw --quant none,int8,int4 --kv-dtype auto,int8 --chunks 20",
     "bench": "kvtrace bench --backends hf-eager,exported,aoti --new-tokens 128 --json bench.json --plot bench.png",
 }
 
@@ -57,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     cache.register(add)
     serve.register(add)
     bench.register(add)
+    perplexity.register(add)
     return parser
 
 
