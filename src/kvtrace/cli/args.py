@@ -230,6 +230,20 @@ def sampling_of(args: argparse.Namespace) -> Any:
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
 
 
+def speculate_arg(p: argparse.ArgumentParser, builds: bool) -> None:
+    """``--speculate K``: prompt-lookup speculative decoding (``runtime.speculate``), 0 = off."""
+    from kvtrace.runtime.speculate import MAX_DRAFT
+
+    where = ("its artifact is exported with every position's prefill logits (--prefill-logits all), a cache entry "
+             "of its own" if builds else "the artifact must be exported with --prefill-logits all")
+    p.add_argument("--speculate", type=int_in(0, MAX_DRAFT), default=0, metavar="K",
+                   help="speculative decoding without a draft model: each step verifies up to K tokens copied from "
+                        "where the text's last few tokens occurred before (prompt lookup), in one program call, and "
+                        "keeps those the model's own samples agree with (same sampling; greedy answers the same "
+                        f"up to near-ties); fast where the answer repeats its context (rewrites, edits, code). {where}. "
+                        "Default 0: off")
+
+
 def sampling_args(p: argparse.ArgumentParser) -> None:
     sampling_knobs(p)
     g = p.add_mutually_exclusive_group()

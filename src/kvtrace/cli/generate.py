@@ -23,6 +23,7 @@ from kvtrace.cli.args import (
     quant_args,
     sampling_args,
     sampling_of,
+    speculate_arg,
     tiered_arg,
 )
 from kvtrace.cli.ui import UI
@@ -71,7 +72,8 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
     inputs = image_inputs(art, getattr(args, "image_features", None))
     session = art.session(cuda_graphs=getattr(args, "cuda_graphs", False))
     gen = stream(session, ids, max_new_tokens=min(max_new, room), sampling=sampling, inputs=inputs,
-                 eos_ids=art.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True))
+                 eos_ids=art.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True),
+                 speculate=getattr(args, "speculate", 0))
     switch = Switch(session.label)
     for chunk in gen:
         if chunk.text and not ui.json_mode:
@@ -163,19 +165,22 @@ def open_model(args: argparse.Namespace, ui: UI, kv_dtype: str | None = None) ->
     args.backend = chosen_backend(args)
     quant = {k: getattr(args, k) for k in ("quant", "quant_group_size", "quant_head") if hasattr(args, k)}
     huge_pages = getattr(args, "huge_pages", False)
+    # speculative decoding verifies drafts through prefill: every position's logits (an artifact of its own)
+    logits = "all" if getattr(args, "speculate", 0) else "last"
 
     # the tiered start runs eager programs on the CPU and hands their cache to the compiled ones (copied into
     # an ExecuTorch program's own buffers): a GPU artifact (--device cuda) is built first
     if not args.tiered or str(device) != "cpu":
         built = cached_artifact(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
                                 progress=ui.step, load=True, notice=ui.notice, kv_dtype=kv_dtype, device=device,
-                                huge_pages=huge_pages, **quant)
+                                huge_pages=huge_pages, prefill_logits=logits, **quant)
         ui.info(f"[dim]{'cache hit' if built.cache_hit else f'compiled in {built.seconds:.1f}s'}: {built.path}[/dim]")
         return built.artifact, None, built.seconds
     from kvtrace.artifact import tiered
 
     tier = tiered.start(args.model, backend=args.backend, max_seq_len=args.max_seq_len, dtype=args.dtype,
-                        progress=ui.step, notice=ui.notice, kv_dtype=kv_dtype, huge_pages=huge_pages, **quant)
+                        progress=ui.step, notice=ui.notice, kv_dtype=kv_dtype, huge_pages=huge_pages,
+                        prefill_logits=logits, **quant)
     if tier.build is None:
         ui.info(f"[dim]cache hit: {tier.artifact.path}[/dim]")
     else:
@@ -248,6 +253,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     quant_args(p, auto=True)
     tiered_arg(p)
     sampling_args(p)
+    speculate_arg(p, builds=True)
     device_arg(p)
     cuda_graphs_arg(p)
     huge_pages_arg(p)

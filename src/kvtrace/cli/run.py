@@ -7,7 +7,14 @@ import json
 from collections.abc import Callable
 
 from kvtrace._errors import UsageError
-from kvtrace.cli.args import POSITIVE, cuda_graphs_arg, device_arg, huge_pages_arg, sampling_args
+from kvtrace.cli.args import (
+    POSITIVE,
+    cuda_graphs_arg,
+    device_arg,
+    huge_pages_arg,
+    sampling_args,
+    speculate_arg,
+)
 from kvtrace.cli.generate import check_cuda_graphs, encode, generate_text, read_prompt
 from kvtrace.cli.ui import UI
 
@@ -41,6 +48,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="refuse the artifact unless the whole file has this SHA-256 (checked before anything in "
                         "it is read; aoti artifacts hold native code: pin the hash of one you trust)")
     sampling_args(p)
+    speculate_arg(p, builds=False)
     device_arg(p, default=None, what="where to run it: the device type it was compiled for (default), or cuda:N")
     cuda_graphs_arg(p)
     huge_pages_arg(p)

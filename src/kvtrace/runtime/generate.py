@@ -103,6 +103,9 @@ class GenerationStats:
     decode_seconds: float = 0.0
     peak_rss_mib: float = 0.0
     stop_reason: str = ""  # "eos", "max_new_tokens" or "max_seq_len"
+    drafted: int = 0  # speculative decoding: draft tokens verified (runtime.speculate)
+    accepted: int = 0  # ... and how many of them the model's own samples matched
+    calls: int = 0  # program calls after prefill (decode steps, or verify calls when speculating)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -111,10 +114,12 @@ class GenerationStats:
         return n / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def line(self) -> str:
+        spec = (f", speculation: {self.accepted} of {self.drafted} draft tokens accepted in {self.calls} calls"
+                if self.drafted else "")
         return (
             f"{self.prompt_tokens} prompt tokens, prefill {self.prefill_ms:.1f} ms, "
             f"{self.new_tokens} new tokens, decode {self.decode_tokens_per_s:.1f} tokens/s, "
-            f"peak RSS {self.peak_rss_mib:.0f} MiB, stop: {self.stop_reason}"
+            f"peak RSS {self.peak_rss_mib:.0f} MiB, stop: {self.stop_reason}{spec}"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,6 +130,7 @@ class GenerationStats:
             "decode_tokens_per_s": round(self.decode_tokens_per_s, 3),
             "peak_rss_mib": round(self.peak_rss_mib, 1),
             "stop_reason": self.stop_reason,
+            **({"drafted": self.drafted, "accepted": self.accepted, "calls": self.calls} if self.drafted else {}),
         }
 
 
@@ -203,12 +209,19 @@ class Generation:
     program step (the first one runs prefill). ``result`` holds the tokens, text and stats so far; it is
     final once the iterator is exhausted (``done``). Breaking out early leaves the session at the tokens
     generated so far.
+
+    ``speculate=k`` (> 0): prompt-lookup speculative decoding (``runtime.speculate``): each step verifies up to
+    k drafted tokens in one prefill call and yields every token it accepted, one chunk each; at each chunk the
+    session holds the tokens before it, as in a plain generation (breaking out early leaves it there too).
+    Needs an artifact whose prefill returns every position's logits.
     """
 
     def __init__(self, session: Session, prompt: Sequence[int] | torch.Tensor, *, max_new_tokens: int,
                  sampling: Sampling | None, eos_ids: Sequence[int],
-                 decode_text: Callable[[list[int]], str] | None, inputs: Mapping[str, torch.Tensor] | None):
+                 decode_text: Callable[[list[int]], str] | None, inputs: Mapping[str, torch.Tensor] | None,
+                 speculate: int = 0):
         self._sampling = sampling or Sampling()
+        self._drafter = _drafter(session, speculate)
         ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(1, -1)  # [1, T]
         if ids.shape[1] == 0:
             raise UsageError("the prompt is empty; give at least one token of text")
@@ -249,31 +262,133 @@ class Generation:
         st.prefill_ms = (time.perf_counter() - t0) * 1e3
         decoding = 0.0  # seconds inside sample/decode; the caller's time between chunks is not counted
         t1 = time.perf_counter()
+        if self._drafter is not None:
+            self._drafter.extend(ids[0].tolist())
+            steps = self._speculative(session, logits, max_new, eos, gen, pen)
+        else:
+            steps = self._plain(session, logits, max_new, eos, gen, pen)
+        for t, stop in steps:
+            if t is not None:
+                res.tokens.append(t)
+                st.new_tokens += 1
+                text = stream.push(res.tokens) if stream is not None else ""
+                decoding += time.perf_counter() - t1
+                st.decode_seconds = decoding
+                st.stop_reason = stop
+                yield Chunk(t, text)
+                t1 = time.perf_counter()
+            if stop:
+                st.stop_reason = stop
+                break
+        st.decode_seconds = decoding + (time.perf_counter() - t1)
+        st.peak_rss_mib = _peak_rss_mib()
+        if self._decode_text is not None:
+            res.text = self._decode_text(res.tokens)
+
+    def _stop(self, session: Session, max_new: int, n_new: int) -> str:
+        """Why the generation ends after its ``n_new``-th token (the session at the tokens before it), or ""."""
+        return ("max_new_tokens" if n_new >= max_new
+                else "max_seq_len" if session.position >= session.spec.max_seq_len else "")
+
+    def _plain(self, session: Session, logits: torch.Tensor, max_new: int, eos: set[int],
+               gen: torch.Generator | None, pen: Penalties | None) -> Iterator[tuple[int | None, str]]:
+        """One token per program call: (token, why the generation stops after it, or ""); (None, "eos") at EOS.
+        At each yield the session holds the tokens before the one yielded."""
+        s, st = self._sampling, self.result.stats
+        n = 0
         while True:
             with torch.inference_mode():
                 tok = sample(logits, s, gen, pen)  # [1, 1]
             t = int(tok)
             if t in eos:
-                st.stop_reason = "eos"
-                break
-            res.tokens.append(t)
-            st.new_tokens += 1
-            text = stream.push(res.tokens) if stream is not None else ""
-            stop = ("max_new_tokens" if st.new_tokens >= max_new
-                    else "max_seq_len" if session.position >= session.spec.max_seq_len else "")
-            decoding += time.perf_counter() - t1
-            st.decode_seconds = decoding
-            yield Chunk(t, text)
-            t1 = time.perf_counter()
+                yield None, "eos"
+                return
+            n += 1
+            stop = self._stop(session, max_new, n)
+            yield t, stop
             if stop:
-                st.stop_reason = stop
-                break
+                return
             with torch.inference_mode():
                 logits = session._decode_sampled(tok)[:, -1]  # tok [1, 1] stays on the device
-        st.decode_seconds = decoding + (time.perf_counter() - t1)
-        st.peak_rss_mib = _peak_rss_mib()
-        if self._decode_text is not None:
-            res.text = self._decode_text(res.tokens)
+            st.calls += 1
+
+    def _speculative(self, session: Session, logits: torch.Tensor, max_new: int, eos: set[int],
+                     gen: torch.Generator | None, pen: Penalties | None) -> Iterator[tuple[int | None, str]]:
+        """As ``_plain``, a verify call at a time: sample the call's rows in order while they confirm its draft
+        (``rows[i]`` [1, V] predicts the token after ``tok`` and the first ``i`` draft tokens), rewind the session
+        to ``tok``, then yield the tokens, taking back one accepted draft slot before each after the first
+        (``Session._replay``): at each yield, as in ``_plain``, the session holds the tokens before it."""
+        from kvtrace.runtime.speculate import draft_room
+
+        s, st, drafter = self._sampling, self.result.stats, self._drafter
+        assert drafter is not None
+        rows, draft, n = [logits], [], 0
+        while True:
+            out: list[int] = []
+            stop = ""
+            with torch.inference_mode():
+                for i, row in enumerate(rows):
+                    tok = sample(row, s, gen, pen)  # [1, 1]
+                    t = int(tok)
+                    if t in eos:
+                        stop = "eos"
+                        break
+                    out.append(t)
+                    if n + len(out) >= max_new:
+                        stop = "max_new_tokens"
+                        break
+                    if i == len(draft) or t != draft[i]:
+                        break
+            st.accepted += min(len(out) - (stop != "eos"), len(draft))
+            if draft:
+                session.rewind(len(draft))  # to tok: the draft's slots stay written, for _replay
+            for j, t in enumerate(out):
+                if j:
+                    session._replay(1)  # out[j - 1] == draft[j - 1]: its slot holds it
+                n += 1
+                last = j == len(out) - 1
+                why = stop if last and stop != "eos" else ""
+                if last and not why and session.position >= session.spec.max_seq_len:
+                    why = "max_seq_len"  # as _plain's: no slot left to feed this token
+                yield t, why
+                if why:
+                    return
+            if stop == "eos":
+                if out:
+                    session._replay(1)  # the last token before EOS was fed, as in _plain
+                yield None, "eos"
+                return
+            drafter.extend(out)
+            draft = drafter.propose(draft_room(session, max_new - n - 1))
+            with torch.inference_mode():
+                if draft:
+                    call = torch.cat([tok, torch.tensor([draft], dtype=tok.dtype, device=tok.device)], dim=1)
+                    got = session.prefill(call)  # [1, 1 + d, V]: tok at the session's position, then the draft
+                    rows = [got[:, i] for i in range(got.shape[1])]
+                    st.drafted += len(draft)
+                else:
+                    rows = [session._decode_sampled(tok)[:, -1]]
+            st.calls += 1
+
+
+def _drafter(session: Session, speculate: int) -> Any:
+    """The NgramDrafter of a speculative generation (None for ``speculate=0``), after checking the session can
+    verify drafts: every position's logits from prefill, and a cache that rewind can take back."""
+    if not speculate:
+        return None
+    from kvtrace.runtime.speculate import NgramDrafter
+
+    if getattr(session, "prefill_logits", "all") != "all":
+        raise UsageError("speculative decoding verifies its draft tokens in one prefill call and needs every "
+                         "position's logits; this artifact's prefill returns the last position's only: export it "
+                         "with --prefill-logits all")
+    if session.spec.extra:
+        raise UsageError(f"speculative decoding rewinds rejected draft tokens; this cache has extra state "
+                         f"{[b.name for b in session.spec.extra]} that rewind cannot take back: generate without "
+                         "speculate")
+    if session.spec.batch_size != 1:
+        raise UsageError(f"speculative decoding runs one sequence; this artifact has batch {session.spec.batch_size}")
+    return NgramDrafter(speculate)
 
 
 def stream(
@@ -285,13 +400,14 @@ def stream(
     eos_ids: Sequence[int] = (),
     decode_text: Callable[[list[int]], str] | None = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
+    speculate: int = 0,
 ) -> Generation:
     """Like :func:`generate`, as an iterator of :class:`Chunk` s (``for c in stream(...): print(c.text)``).
 
     Arguments are checked here, before the first step; prefill runs on the first ``next()``.
     """
     return Generation(session, prompt, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-                      decode_text=decode_text, inputs=inputs)
+                      decode_text=decode_text, inputs=inputs, speculate=speculate)
 
 
 def generate(
@@ -304,15 +420,17 @@ def generate(
     decode_text: Callable[[list[int]], str] | None = None,
     on_text: Callable[[str], None] | None = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
+    speculate: int = 0,
 ) -> GenerationResult:
     """Prefill ``prompt`` (batch 1) and decode until EOS, ``max_new_tokens`` or the cache is full.
 
     ``inputs``: named prefill inputs of the artifact, e.g. ``{"cross_attention_states": x}`` for a vision decoder.
     ``on_text(delta)`` is called with each new piece of text (needs ``decode_text``); :func:`stream` is the
-    same generation as an iterator.
+    same generation as an iterator. ``speculate=k``: prompt-lookup speculative decoding with up to k draft
+    tokens per call (``runtime.speculate``; the artifact exported with ``prefill_logits="all"``).
     """
     g = stream(session, prompt, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-               decode_text=decode_text, inputs=inputs)
+               decode_text=decode_text, inputs=inputs, speculate=speculate)
     for chunk in g:
         if chunk.text and on_text is not None:
             on_text(chunk.text)

@@ -148,6 +148,7 @@ class Session:
         if self._held:
             _check_state(spec, self._state)
         self._pos = 0
+        self._replayable = 0  # slots the last program call wrote that a rewind since has handed back (_replay)
         self._filled: set[str] = set()  # `once` programs run since reset()
         self._graphs = self._graph_decode(cuda_graphs, capturer, graph_buckets)
         if self._held:  # last: a construction refused above leaves the programs free for another session
@@ -387,6 +388,7 @@ class Session:
             cache = () if self._held else self._state  # programs holding their cache take none
             logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *cache)
         self._pos = end
+        self._replayable = 0
         return logits
 
     def reset(self) -> None:
@@ -394,6 +396,7 @@ class Session:
         with self._exclusive("reset"):
             self.spec.reset_(self._state)
             self._pos = 0
+            self._replayable = 0
             self._filled.clear()
 
     def rewind(self, n: int) -> None:
@@ -417,6 +420,18 @@ class Session:
             if 0 < n < self._pos:  # rewinding everything needs nothing kept
                 self._check_kept(n)
             self._pos -= n
+            self._replayable += n
+
+    def _replay(self, n: int) -> None:
+        """Take back ``n`` tokens of a ``rewind`` made since the last program call: their slots still hold what
+        that call wrote for them (speculative decoding yields a verify call's accepted tokens one at a time,
+        the session at the tokens before each). Not for anything else."""
+        with self._exclusive("replay"):
+            if not 0 <= n <= self._replayable:
+                raise UsageError(f"_replay({n}): only {self._replayable} rewound token(s) since the last call can be "
+                                 "taken back")
+            self._pos += n
+            self._replayable -= n
 
     def _check_kept(self, n: int) -> None:
         """Refuse rewind(n) when a layer no longer holds what the rewound-to position must read."""
@@ -476,6 +491,7 @@ class Session:
         for dst, src in zip(self._state, snap.state, strict=True):
             dst.copy_(src)
         self._pos = snap.position
+        self._replayable = 0
         self._filled = set(snap.filled)
 
 

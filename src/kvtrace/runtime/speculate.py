@@ -1,0 +1,92 @@
+"""Prompt-lookup speculative decoding: draft tokens from the text itself, verify them in one program call.
+
+Batch-1 decode reads every weight once per token, and a program call over a few tokens reads them once too:
+on a CPU or GPU bound by memory bandwidth, checking 4 guessed tokens costs little more than decoding one.
+Where the answer repeats its context (a rewrite, an edit, a summary quoting its source, code), the next tokens
+are often the ones that followed the same few tokens earlier: ``NgramDrafter`` proposes them (prompt lookup
+decoding; vLLM's ``ngram`` speculator, HF's ``prompt_lookup_num_tokens``). No second model.
+
+One step of ``Generation`` with ``speculate=k`` (``runtime.generate``): with ``tok`` the last sampled token (not
+yet in the cache, at position ``p``) and ``d <= k`` drafted tokens,
+
+* ``logits = session.prefill([tok, *draft])``: positions ``p .. p+d``, logits ``[1, 1+d, V]`` (the artifact's
+  prefill must return every position's: ``prefill_logits="all"``);
+* ``y_i = sample(logits[:, i])`` in order, each through the same sampling and penalties as a plain decode
+  step; ``y_i`` is emitted, and the next position is looked at only while ``y_i == draft[i]`` (then the cache
+  already holds the token ``y_i`` at ``p+i+1``);
+* the first ``y_i != draft[i]`` (or a stop) ends the step. The session is rewound to ``tok`` and the tokens are
+  yielded one at a time, each accepted draft slot taken back (``Session._replay``: the call wrote it) before
+  the token after it: at every yield the session holds the tokens before the one yielded, as in a plain
+  generation. ``y_i`` becomes ``tok``.
+
+Every emitted token is sampled from the model's own distribution given the tokens before it, so a sampled
+generation has the distribution of a plain one (a draft token is accepted exactly when the sample equals it),
+and a greedy one the same tokens, up to the rounding differences between the prefill and the decode
+program: where the top two logits are that close, a speculative greedy answer can leave the plain one.
+
+Drafts are capped so that every rejected token can be rewound (``Session.rewind``: a sliding-window ring past its
+window keeps too little to drop more than ``KindOps.max_rewind`` allows), by the cache's free slots and by the
+tokens still wanted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtrace._errors import UsageError
+
+__all__ = ["NgramDrafter", "draft_room"]
+
+MAX_DRAFT = 16  # more draft tokens than this verify in a call that costs more than the decode steps it could save
+
+
+class NgramDrafter:
+    """Proposes the tokens that followed the most recent earlier occurrence of the history's last ``n`` tokens
+    (``n`` from ``max_ngram`` down to ``min_ngram``; the longest match wins). ``extend`` the history with every
+    token the generation holds (prompt, then each emitted token); each n-gram's latest start is indexed as it
+    comes, so a proposal costs ``O(max_ngram)``."""
+
+    def __init__(self, k: int, *, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= k <= MAX_DRAFT:
+            raise UsageError(f"speculate takes 1 .. {MAX_DRAFT} draft tokens; got {k}")
+        if not 1 <= min_ngram <= max_ngram:
+            raise UsageError(f"n-gram sizes must satisfy 1 <= min_ngram <= max_ngram; got {min_ngram}, {max_ngram}")
+        self.k, self.max_ngram, self.min_ngram = k, max_ngram, min_ngram
+        self.tokens: list[int] = []
+        # n-gram -> the position right after its latest occurrence that is followed by at least one token
+        self._after: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        for t in tokens:
+            self.tokens.append(int(t))
+            end = len(self.tokens) - 1  # the n-grams ending just before this token are now followed by it
+            for n in range(self.min_ngram, self.max_ngram + 1):
+                if end >= n:
+                    self._after[tuple(self.tokens[end - n : end])] = end
+
+    def propose(self, most: int | None = None) -> list[int]:
+        """Up to ``min(k, most)`` tokens to try next (empty when the history's tail never occurred before)."""
+        most = self.k if most is None else min(self.k, most)
+        if most <= 0:
+            return []
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(self.tokens) < n:
+                continue
+            at = self._after.get(tuple(self.tokens[-n:]))  # an earlier occurrence: the tail's own is not indexed
+            if at is not None:
+                return self.tokens[at : at + most]
+        return []
+
+
+def draft_room(session: object, wanted: int) -> int:
+    """How many draft tokens a call at the session's position may carry: at most ``wanted``, what the cache
+    has room for besides the last sampled token, and what every layer could rewind afterwards
+    (``KindOps.max_rewind`` at the position after the call must allow dropping all of them)."""
+    from kvtrace.cache.kinds import kind_of
+
+    spec = session.spec  # type: ignore[attr-defined]
+    pos = session.position  # type: ignore[attr-defined]
+    d = min(wanted, spec.max_seq_len - pos - 1)
+    while d > 0 and any(kind_of(layer).max_rewind(layer, pos + d + 1) < d for layer in spec.layers):
+        d -= 1
+    return max(d, 0)
