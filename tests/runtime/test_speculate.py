@@ -172,3 +172,52 @@ def test_a_sliding_window_past_its_window_speculates_within_what_it_can_rewind(t
     s.reset()
     got = generate(s, prompt, max_new_tokens=40, speculate=4)  # every rewind within KindOps.max_rewind
     assert got.tokens == plain.tokens and got.stats.drafted > 0
+
+
+def test_kvtrace_run_speculates_on_an_artifact_with_every_positions_logits(tmp_path, monkeypatch, capsys):
+    import json
+
+    from tests.conftest import make_tiny_hf_dir
+
+    from kvtrace.cli.main import main
+
+    monkeypatch.setenv("KVTRACE_CACHE", str(tmp_path / "cache"))
+    make_tiny_hf_dir(tmp_path, words_only=True)
+    prompt = "hello world the cat sat hello world the cat sat hello world"
+    outs = {}
+    for logits in ("all", "last"):
+        art = tmp_path / f"{logits}.kvt"
+        assert main(["export", str(tmp_path), "-o", str(art), "--max-seq-len", "64", "--backend", "exported",
+                     "--prefill-logits", logits, "--quiet"]) == 0
+        outs[logits] = art
+    capsys.readouterr()
+    run = ["run", str(outs["all"]), "--prompt", prompt, "--max-len", "60", "--raw", "--json", "--quiet"]
+    assert main(run) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*run, "--speculate", "4"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["tokens"] == plain["tokens"] and spec["text"] == plain["text"] and len(spec["tokens"]) > 10
+    assert spec["drafted"] >= spec["accepted"] > 0 and "drafted" not in plain
+    assert main(["run", str(outs["last"]), "--prompt", prompt, "--speculate", "4", "--raw", "--quiet"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ": error: " in ln]
+    assert len(err) == 1 and "--prefill-logits all" in err[0]
+
+
+def test_a_chat_speculates_from_the_whole_conversation_and_answers_as_without(tmp_path):
+    from tests.conftest import make_tiny_hf_dir
+
+    make_tiny_hf_dir(tmp_path, words_only=True, max_position_embeddings=256)
+    a = kvtrace.load(kvtrace.export(str(tmp_path), tmp_path / "c.kvt", max_seq_len=256, backend="exported",
+                                    prefill_logits="all"))
+    messages = ["hello world the cat sat", "the cat sat hello world", "world world the cat"]
+    answers = {}
+    for k in (0, 4):
+        conv = a.conversation()
+        answers[k] = []
+        for m in messages:
+            with conv.ask(m, max_new_tokens=12, speculate=k) as turn:
+                tokens = [c.token for c in turn]
+            answers[k].append((tokens, turn.stats.to_dict()))
+        assert conv.session.position == len(conv.tokens)
+    assert [t for t, _ in answers[4]] == [t for t, _ in answers[0]]
+    assert sum(st.get("accepted", 0) for _, st in answers[4]) > 0

@@ -22,6 +22,7 @@ from kvtrace.cli.args import (
     quant_args,
     sampling_knobs,
     sampling_of,
+    speculate_arg,
     tiered_arg,
 )
 from kvtrace.cli.ui import UI
@@ -83,7 +84,8 @@ def _answer(conv: Any, text: str, args: argparse.Namespace, write: Callable[[str
     switch = Switch(conv.session.label)
     if tier is not None and tier.poll(conv.session, finish_loading=True):  # built while the user was typing
         switch.now(conv.session.label)
-    with conv.ask(text, max_new_tokens=args.max_new_tokens, sampling=sampling) as turn:
+    with conv.ask(text, max_new_tokens=args.max_new_tokens, sampling=sampling,
+                  speculate=getattr(args, "speculate", 0)) as turn:
         try:
             for chunk in turn:
                 write(chunk.text)
@@ -170,6 +172,10 @@ def cmd_chat(args: argparse.Namespace, ui: UI) -> int:
     art, tier = _open(args, ui)
     try:
         conv = _conversation(art, args.system)
+        if args.speculate and conv.session.prefill_logits != "all":  # before the first message, not at each
+            raise UsageError(f"--speculate verifies drafts through prefill and needs every position's logits; "
+                             f"{args.model} was exported with the last position's only: export it with "
+                             "--prefill-logits all")
         code = _json_lines(conv, args, tier) if ui.json_mode else _interactive(conv, args, ui, tier)
         finish_build(ui, tier)
         return code
@@ -193,5 +199,6 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     quant_args(p, auto=True)
     tiered_arg(p)
     sampling_knobs(p)
+    speculate_arg(p, builds=True)
     huge_pages_arg(p)
     p.set_defaults(func=cmd_chat)

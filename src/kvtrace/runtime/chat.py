@@ -127,9 +127,12 @@ class Conversation:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     # --- turns ----------------------------------------------------------------------------------------
-    def ask(self, text: str, *, max_new_tokens: int = 256, sampling: Sampling | None = None) -> Turn:
+    def ask(self, text: str, *, max_new_tokens: int = 256, sampling: Sampling | None = None,
+            speculate: int = 0) -> Turn:
         """Start the answer to the user message ``text``: the session now holds the whole templated
-        conversation (only its new tokens prefilled on the first chunk); iterate the returned Turn."""
+        conversation (only its new tokens prefilled on the first chunk); iterate the returned Turn.
+        ``speculate=k``: prompt-lookup speculative decoding, drafting from the whole conversation
+        (``runtime.speculate``; an artifact exported with ``prefill_logits="all"``)."""
         if not isinstance(text, str) or not text.strip():
             raise UsageError("the message is empty; type some text")
         messages = [*self.messages, {"role": "user", "content": text}]
@@ -153,7 +156,8 @@ class Conversation:
         self.messages = messages
         new = full[keep:]
         gen = stream(self.session, new, max_new_tokens=min(max_new_tokens, limit - len(full)), sampling=sampling,
-                     eos_ids=self.eos_ids, decode_text=self._decode)
+                     eos_ids=self.eos_ids, decode_text=self._decode, speculate=speculate,
+                     draft_context=full[:keep])
         stats = dict(conversation_tokens=len(full), reused=keep, prefilled=len(new), rewound=rewound,
                      reprefilled=reprefilled)
         return Turn(self, gen, full, stats)

@@ -219,9 +219,11 @@ class Generation:
     def __init__(self, session: Session, prompt: Sequence[int] | torch.Tensor, *, max_new_tokens: int,
                  sampling: Sampling | None, eos_ids: Sequence[int],
                  decode_text: Callable[[list[int]], str] | None, inputs: Mapping[str, torch.Tensor] | None,
-                 speculate: int = 0):
+                 speculate: int = 0, draft_context: Sequence[int] = ()):
         self._sampling = sampling or Sampling()
         self._drafter = _drafter(session, speculate)
+        if self._drafter is not None:
+            self._drafter.extend(draft_context)
         ids = torch.as_tensor(prompt, dtype=torch.int64).reshape(1, -1)  # [1, T]
         if ids.shape[1] == 0:
             raise UsageError("the prompt is empty; give at least one token of text")
@@ -401,13 +403,14 @@ def stream(
     decode_text: Callable[[list[int]], str] | None = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
     speculate: int = 0,
+    draft_context: Sequence[int] = (),
 ) -> Generation:
     """Like :func:`generate`, as an iterator of :class:`Chunk` s (``for c in stream(...): print(c.text)``).
 
     Arguments are checked here, before the first step; prefill runs on the first ``next()``.
     """
     return Generation(session, prompt, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-                      decode_text=decode_text, inputs=inputs, speculate=speculate)
+                      decode_text=decode_text, inputs=inputs, speculate=speculate, draft_context=draft_context)
 
 
 def generate(
