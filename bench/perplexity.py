@@ -1,7 +1,8 @@
 """kvtrace perplexity against llama.cpp's llama-perplexity: the same GGUF, the same text, the same chunks.
 
     .venv/bin/python bench/perplexity.py --text FILE [--ctx 512] [--chunks N] [--threads 2]
-        [--quant none,gguf,int8,int4] [--kv-dtype auto,int8] [--peer-formats Q8_0,Q4_0] [--json OUT.json]
+        [--quant none,gguf,int8,int4] [--kv-dtype auto,int8] [--peer-formats Q8_0,Q4_0] [--squash-whitespace]
+        [--json OUT.json]
 
 What it does, in order (each step printed):
   1. finds llama-perplexity and llama-quantize (bench/llamacpp.py builds them once from the pinned
@@ -125,8 +126,17 @@ def main() -> int:
     ap.add_argument("--quant", default="none,gguf,int8,int4")
     ap.add_argument("--kv-dtype", default="auto")
     ap.add_argument("--peer-formats", default="Q8_0,Q4_0", help="llama.cpp formats to requantize to; '' for none")
+    ap.add_argument("--squash-whitespace", action="store_true",
+                    help="score the text with every run of whitespace replaced by one space (llama.cpp's tokenizer "
+                         "splits some whitespace runs differently from the model's own: on GPL-3's indented text the two "
+                         "tools' chunks then hold different tokens from the second chunk on)")
     ap.add_argument("--json", type=Path, default=Path("bench_perplexity.json"))
     args = ap.parse_args()
+    if args.squash_whitespace:
+        squashed = Path(tempfile.gettempdir()) / f"kvtrace-ppl-{args.text.stem}.squashed.txt"
+        squashed.write_text(" ".join(args.text.read_text(encoding="utf-8").split()), encoding="utf-8")
+        say(f"{args.text} with its whitespace squashed: {squashed}")
+        args.text = squashed
 
     bin_dir = tools()
     gguf = args.gguf or default_gguf()

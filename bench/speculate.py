@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=160)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--max-seq-len", type=int, default=512, help="the artifacts' (kvtrace perplexity's default ctx)")
     ap.add_argument("--json", type=Path, default=Path("bench_speculate.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -117,7 +117,8 @@ def main() -> int:
     lines = []
     for quant in args.quant.split(","):
         print(f"[speculate] {quant}: loading (exported with every position's logits; cached)", file=sys.stderr)
-        art = cached_artifact(None, backend="aoti", max_seq_len=args.max_seq_len, prefill_logits="all", load=True,
+        backend = "aoti-packed" if quant in ("int8", "int4", "8da4w") else "aoti"  # as kvtrace generate picks
+        art = cached_artifact(None, backend=backend, max_seq_len=args.max_seq_len, prefill_logits="all", load=True,
                               quant=None if quant == "none" else quant).artifact
         costs = verify_costs(art.session())
         m, tok = art.manifest, art.tokenizer()

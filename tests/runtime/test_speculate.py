@@ -42,7 +42,7 @@ def test_the_drafter_indexes_as_it_goes_what_a_batch_index_would_hold():
     for i, t in enumerate(toks):
         b.extend([t])
         tail = toks[: i + 1]
-        for n in (3, 2, 1):  # brute force: the latest earlier occurrence of the longest matching tail
+        for n in (3, 2):  # brute force: the latest earlier occurrence of the longest matching tail (>= MIN_NGRAM)
             starts = [j for j in range(len(tail) - n) if tail[j : j + n] == tail[-n:]]
             if starts:
                 want = tail[starts[-1] + n : starts[-1] + n + 5]
@@ -51,6 +51,23 @@ def test_the_drafter_indexes_as_it_goes_what_a_batch_index_would_hold():
             want = []
         assert b.propose() == want, i
     assert a.propose() == b.propose()
+
+
+def test_drafting_stops_when_it_does_not_pay_and_is_tried_again_later():
+    from kvtrace.runtime.speculate import PROBE_EVERY, Pace
+
+    p = Pace()
+    assert p.worth()  # nothing measured: measure
+    p.decoded(0.010)
+    assert p.worth()
+    p.verified(0.030, 4)  # 4 tokens in 30 ms beat 1 in 10 ms
+    assert p.worth()
+    for _ in range(10):
+        p.verified(0.040, 1)  # the drafts stopped matching: 1 token in 40 ms
+    assert [p.worth() for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]
+    for _ in range(10):
+        p.verified(0.012, 3)  # the probe found a repeating part again
+    assert p.worth()
 
 
 def test_bad_draft_sizes_are_refused():

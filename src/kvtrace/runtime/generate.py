@@ -320,18 +320,20 @@ class Generation:
         (``rows[i]`` [1, V] predicts the token after ``tok`` and the first ``i`` draft tokens), rewind the session
         to ``tok``, then yield the tokens, taking back one accepted draft slot before each after the first
         (``Session._replay``): at each yield, as in ``_plain``, the session holds the tokens before it."""
-        from kvtrace.runtime.speculate import draft_room
+        from kvtrace.runtime.speculate import Pace, draft_room
 
         s, st, drafter = self._sampling, self.result.stats, self._drafter
         assert drafter is not None
+        pace = Pace()  # whether drafting pays on this artifact and this text, measured as it runs
         rows, draft, n = [logits], [], 0
+        called: float | None = None  # when the last program call started (None: the prompt's prefill)
         while True:
             out: list[int] = []
             stop = ""
             with torch.inference_mode():
                 for i, row in enumerate(rows):
                     tok = sample(row, s, gen, pen)  # [1, 1]
-                    t = int(tok)
+                    t = int(tok)  # on a GPU: waits for the call
                     if t in eos:
                         stop = "eos"
                         break
@@ -341,6 +343,12 @@ class Generation:
                         break
                     if i == len(draft) or t != draft[i]:
                         break
+            if called is not None:  # the call and its sampling, before the consumer's time between chunks
+                seconds = time.perf_counter() - called
+                if draft:
+                    pace.verified(seconds, len(out) + (stop == "eos"))
+                else:
+                    pace.decoded(seconds)
             st.accepted += min(len(out) - (stop != "eos"), len(draft))
             if draft:
                 session.rewind(len(draft))  # to tok: the draft's slots stay written, for _replay
@@ -361,7 +369,8 @@ class Generation:
                 yield None, "eos"
                 return
             drafter.extend(out)
-            draft = drafter.propose(draft_room(session, max_new - n - 1))
+            draft = drafter.propose(draft_room(session, max_new - n - 1)) if pace.worth() else []
+            called = time.perf_counter()
             with torch.inference_mode():
                 if draft:
                     call = torch.cat([tok, torch.tensor([draft], dtype=tok.dtype, device=tok.device)], dim=1)

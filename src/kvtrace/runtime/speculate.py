@@ -35,9 +35,12 @@ from collections.abc import Sequence
 
 from kvtrace._errors import UsageError
 
-__all__ = ["NgramDrafter", "draft_room"]
+__all__ = ["NgramDrafter", "Pace", "draft_room"]
 
 MAX_DRAFT = 16  # more draft tokens than this verify in a call that costs more than the decode steps it could save
+MIN_NGRAM = 2  # a draft needs the last 2 tokens to have occurred before: 1-token matches ("the") mostly miss
+PROBE_EVERY = 16  # after drafting stopped paying: decode steps before a draft is tried again
+EMA = 0.3  # weight of the newest call in Pace's running means
 
 
 class NgramDrafter:
@@ -46,7 +49,7 @@ class NgramDrafter:
     token the generation holds (prompt, then each emitted token); each n-gram's latest start is indexed as it
     comes, so a proposal costs ``O(max_ngram)``."""
 
-    def __init__(self, k: int, *, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, k: int, *, max_ngram: int = 3, min_ngram: int = MIN_NGRAM):
         if not 1 <= k <= MAX_DRAFT:
             raise UsageError(f"speculate takes 1 .. {MAX_DRAFT} draft tokens; got {k}")
         if not 1 <= min_ngram <= max_ngram:
@@ -76,6 +79,46 @@ class NgramDrafter:
             if at is not None:
                 return self.tokens[at : at + most]
         return []
+
+
+class Pace:
+    """Whether drafting pays, measured as the generation runs: running means of a decode step's seconds, a
+    verify call's seconds and the tokens a verify call yields. Drafting pays while a verify call yields more
+    tokens per second than a decode step (``worth``). A verify call is a prefill program over ``1 + d`` tokens:
+    where that program is much slower than the decode one (measured on the default model, 2 threads: 3-5x a
+    decode step in float32 ``aoti``, 13-28x for GGUF blocks, which prefill dequantizes; 1.2-2x for int8 on
+    ``aoti-packed``), only long accepted runs pay for it. When drafting stops paying, it is tried again after
+    ``PROBE_EVERY`` decode steps: the text may have moved to a part that repeats its context."""
+
+    def __init__(self) -> None:
+        self.decode_s: float | None = None
+        self.verify_s: float | None = None
+        self.gain: float | None = None  # tokens a verify call yields (accepted + 1)
+        self._waited = 0
+
+    @staticmethod
+    def _mean(old: float | None, new: float) -> float:
+        return new if old is None else (1 - EMA) * old + EMA * new
+
+    def decoded(self, seconds: float) -> None:
+        self.decode_s = self._mean(self.decode_s, seconds)
+
+    def verified(self, seconds: float, tokens: int) -> None:
+        self.verify_s = self._mean(self.verify_s, seconds)
+        self.gain = self._mean(self.gain, float(tokens))
+
+    def worth(self) -> bool:
+        """Whether the next step should verify a draft (if one is proposed) rather than decode one token."""
+        if self.decode_s is None or self.verify_s is None or self.gain is None:
+            return True  # not measured yet: measure
+        if self.gain / self.verify_s >= 1 / self.decode_s:
+            self._waited = 0
+            return True
+        self._waited += 1
+        if self._waited >= PROBE_EVERY:
+            self._waited = 0
+            return True
+        return False
 
 
 def draft_room(session: object, wanted: int) -> int:
