@@ -54,20 +54,25 @@ def test_the_drafter_indexes_as_it_goes_what_a_batch_index_would_hold():
 
 
 def test_drafting_stops_when_it_does_not_pay_and_is_tried_again_later():
-    from kvtrace.runtime.speculate import PROBE_EVERY, Pace
+    from kvtrace.runtime.speculate import PROBE_SHARE, Pace
 
     p = Pace()
-    assert p.worth()  # nothing measured: measure
+    assert p.worth() and p.draft_len(8) == 8  # nothing measured: a verify call first,
+    p.verified(0.030, 4)
+    assert not p.worth()  # then a decode step, even while drafts keep coming
     p.decoded(0.010)
-    assert p.worth()
-    p.verified(0.030, 4)  # 4 tokens in 30 ms beat 1 in 10 ms
-    assert p.worth()
+    assert p.worth() and p.draft_len(8) == 5  # 4 tokens in 30 ms beat 1 in 10 ms; drafts near the yield
     for _ in range(10):
         p.verified(0.040, 1)  # the drafts stopped matching: 1 token in 40 ms
-    assert [p.worth() for _ in range(PROBE_EVERY)] == [False] * (PROBE_EVERY - 1) + [True]
+    assert p.draft_len(8) == 3  # ceil(~1.1) + 1
+    waited = []
+    while not p.worth():
+        p.decoded(0.010)
+        waited.append(0.010)
+    assert sum(waited) == pytest.approx(p.verify_s / PROBE_SHARE, abs=0.011)  # probes cost ~PROBE_SHARE
     for _ in range(10):
         p.verified(0.012, 3)  # the probe found a repeating part again
-    assert p.worth()
+    assert p.worth() and p.worth()
 
 
 def test_bad_draft_sizes_are_refused():

@@ -369,7 +369,8 @@ class Generation:
                 yield None, "eos"
                 return
             drafter.extend(out)
-            draft = drafter.propose(draft_room(session, max_new - n - 1)) if pace.worth() else []
+            most = draft_room(session, min(pace.draft_len(drafter.k), max_new - n - 1))
+            draft = drafter.propose(most) if pace.worth() else []
             called = time.perf_counter()
             with torch.inference_mode():
                 if draft:

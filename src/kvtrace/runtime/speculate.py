@@ -31,6 +31,7 @@ tokens still wanted.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from kvtrace._errors import UsageError
@@ -39,7 +40,7 @@ __all__ = ["NgramDrafter", "Pace", "draft_room"]
 
 MAX_DRAFT = 16  # more draft tokens than this verify in a call that costs more than the decode steps it could save
 MIN_NGRAM = 2  # a draft needs the last 2 tokens to have occurred before: 1-token matches ("the") mostly miss
-PROBE_EVERY = 16  # after drafting stopped paying: decode steps before a draft is tried again
+PROBE_SHARE = 0.1  # after drafting stopped paying: the most of the decode time spent trying it again
 EMA = 0.3  # weight of the newest call in Pace's running means
 
 
@@ -82,19 +83,23 @@ class NgramDrafter:
 
 
 class Pace:
-    """Whether drafting pays, measured as the generation runs: running means of a decode step's seconds, a
-    verify call's seconds and the tokens a verify call yields. Drafting pays while a verify call yields more
-    tokens per second than a decode step (``worth``). A verify call is a prefill program over ``1 + d`` tokens:
-    where that program is much slower than the decode one (measured on the default model, 2 threads: 3-5x a
-    decode step in float32 ``aoti``, 13-28x for GGUF blocks, which prefill dequantizes; 1.2-2x for int8 on
-    ``aoti-packed``), only long accepted runs pay for it. When drafting stops paying, it is tried again after
-    ``PROBE_EVERY`` decode steps: the text may have moved to a part that repeats its context."""
+    """Whether drafting pays, and how long a draft to try, measured as the generation runs: running means of a
+    decode step's seconds, a verify call's seconds and the tokens a verify call yields (accepted + 1).
+
+    Drafting pays while a verify call yields more tokens per second than a decode step (``worth``). A verify call
+    is a prefill program over ``1 + d`` tokens; where that program is much slower than the decode one (measured
+    on the default model, 2 threads, stop 52: 3-5x a decode step in float32 ``aoti``, 13-28x for GGUF blocks,
+    whose prefill dequantizes every weight; 1.2-2x for int8 on ``aoti-packed`` up to 5 tokens, 5x at 9) only
+    long accepted runs pay for it. Once drafting stops paying, it is tried again when the decode steps since
+    have taken ``1 / PROBE_SHARE`` times a verify call: the text may have moved to a part that repeats its
+    context, and the probes cost at most ``PROBE_SHARE`` of the time. ``draft_len`` caps a draft near the runs
+    accepted lately (a longer call costs more where few of its tokens will be kept)."""
 
     def __init__(self) -> None:
         self.decode_s: float | None = None
         self.verify_s: float | None = None
         self.gain: float | None = None  # tokens a verify call yields (accepted + 1)
-        self._waited = 0
+        self._waited = 0.0  # decode seconds since drafting last stopped paying
 
     @staticmethod
     def _mean(old: float | None, new: float) -> float:
@@ -102,6 +107,7 @@ class Pace:
 
     def decoded(self, seconds: float) -> None:
         self.decode_s = self._mean(self.decode_s, seconds)
+        self._waited += seconds
 
     def verified(self, seconds: float, tokens: int) -> None:
         self.verify_s = self._mean(self.verify_s, seconds)
@@ -109,16 +115,21 @@ class Pace:
 
     def worth(self) -> bool:
         """Whether the next step should verify a draft (if one is proposed) rather than decode one token."""
-        if self.decode_s is None or self.verify_s is None or self.gain is None:
-            return True  # not measured yet: measure
+        if self.verify_s is None or self.gain is None:
+            return True  # measure a verify call first,
+        if self.decode_s is None:
+            return False  # then a decode step
         if self.gain / self.verify_s >= 1 / self.decode_s:
-            self._waited = 0
+            self._waited = 0.0
             return True
-        self._waited += 1
-        if self._waited >= PROBE_EVERY:
-            self._waited = 0
+        if self._waited * PROBE_SHARE >= self.verify_s:
+            self._waited = 0.0
             return True
         return False
+
+    def draft_len(self, k: int) -> int:
+        """The most draft tokens to try next: k until measured, then about one more than the mean yield."""
+        return k if self.gain is None else max(1, min(k, math.ceil(self.gain) + 1))
 
 
 def draft_room(session: object, wanted: int) -> int:
