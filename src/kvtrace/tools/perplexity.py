@@ -277,7 +277,7 @@ def _exported(args: Any, model: str | None, step: Any, backend_for: Callable[[st
             for kv in args.kv_dtype.split(","):
                 backend = backend_for(quant)
                 name = row_name(backend, quant, kv, dtype)
-                with step(f"exporting {name} (every position's logits; cached)"):
+                with step(f"{name}: its artifact (every position's logits), from the cache or exported into it"):
                     built = cached_artifact(model, backend=backend, max_seq_len=args.ctx, dtype=dtype,
                                             prefill_logits="all", load=True, quant=None if quant == "none" else quant,
                                             kv_dtype=None if kv == "auto" else kv,
