@@ -5,8 +5,8 @@
 
 For each --quant (an artifact of the default model exported with every position's prefill logits, from the
 kvtrace cache; the same artifact serves both ways):
-  1. what a verify call costs: the prefill program over 1 + d tokens (d = 1..8) against one decode step, at
-     position ~200 (the median of 15 calls each);
+  1. what a verify call costs: the prefill program over 1 + d tokens (d = 0..63) against one decode step, at
+     position ~200 (the median of 15 calls each); --costs-only stops there;
   2. four chat prompts, from one whose answer copies its prompt to one whose answer owes it nothing, answered
      greedily, plain and with --speculate K for each --k, alternated --rounds times: decode tokens/s (the
      median), draft tokens accepted / drafted, program calls, and whether the answer equals the plain one.
@@ -73,7 +73,7 @@ def verify_costs(session, positions: int = 200, reps: int = 15) -> list[dict]:
         session.rewind(1)
 
     rows = [{"tokens": 1, "program": "decode", "ms": round(median_ms(decode), 2)}]
-    for d in (1, 2, 3, 4, 6, 8):
+    for d in (0, 1, 2, 3, 4, 6, 8, 15, 63):
         x = torch.randint(100, 4000, (1, 1 + d))
 
         def verify(x=x, d=d):
@@ -105,6 +105,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-seq-len", type=int, default=512, help="the artifacts' (kvtrace perplexity's default ctx)")
+    ap.add_argument("--costs-only", action="store_true", help="measure the verify calls' cost only (section 1)")
     ap.add_argument("--json", type=Path, default=Path("bench_speculate.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -123,7 +124,7 @@ def main() -> int:
         costs = verify_costs(art.session())
         m, tok = art.manifest, art.tokenizer()
         rows = []
-        for name, text in PROMPTS.items():
+        for name, text in ({} if args.costs_only else PROMPTS).items():
             ids = encode_prompt(tok, text, chat=True, template=m.chat_template, bos_id=m.bos_id, eos_ids=m.eos_ids)
             runs: dict[int, list[dict]] = {k: [] for k in (0, *ks)}
             for _ in range(args.rounds):
@@ -143,7 +144,7 @@ def main() -> int:
         lines += [f"\n### {quant}: a verify call against one decode step (position 200)\n",
                   "| tokens in the call | ms | x decode |", "|---|---|---|"]
         lines += [f"| {c['tokens']} ({c['program']}) | {c['ms']} | {c['vs_decode']} |" for c in costs]
-        lines += [f"\n### {quant}: greedy answers, plain (k=0) and speculative\n",
+        lines += [] if args.costs_only else [f"\n### {quant}: greedy answers, plain (k=0) and speculative\n",
                   "| prompt | k | decode tok/s | x plain | accepted / drafted | calls | tokens | same answer |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in rows:
