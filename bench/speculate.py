@@ -111,6 +111,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
 
     from kvtrace.artifact.store import cached_artifact
+    from kvtrace.cli.args import chosen_backend
     from kvtrace.sources.chat import encode_prompt
 
     ks = [int(k) for k in args.k.split(",")]
@@ -118,7 +119,7 @@ def main() -> int:
     lines = []
     for quant in args.quant.split(","):
         print(f"[speculate] {quant}: loading (exported with every position's logits; cached)", file=sys.stderr)
-        backend = "aoti-packed" if quant in ("int8", "int4", "8da4w") else "aoti"  # as kvtrace generate picks
+        backend = chosen_backend(argparse.Namespace(backend=None, quant=quant))  # as kvtrace generate picks
         art = cached_artifact(None, backend=backend, max_seq_len=args.max_seq_len, prefill_logits="all", load=True,
                               quant=None if quant == "none" else quant).artifact
         costs = verify_costs(art.session())

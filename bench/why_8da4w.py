@@ -18,9 +18,9 @@ torch.set_num_threads(2)
 text = " ".join(open(sys.argv[1], encoding="utf-8").read().split())
 ref = load_model(None)
 ids, bos = text_ids(ref.tokenizer, text, ref.bos_id)
-chunks = chunk_tokens(ids, 512, chunks=4)
+chunks = chunk_tokens(ids, 512, chunks=4, bos_id=bos)
 
-def w_sym4(w, g=32):  # symmetric int4 groups, scale = max|w| / 7 (torchao 8da4w's: qmin -8, qmax 7)
+def w_sym4(w, g=32):  # symmetric int4 groups in [-8, 7], scale = max|w| / 7.5 (torchao's 8da4w)
     o, i = w.shape
     x = w.view(o, i // g, g)
     s = x.abs().amax(-1, keepdim=True).clamp_min(1e-9) / 7.5

@@ -243,3 +243,27 @@ def test_a_chat_speculates_from_the_whole_conversation_and_answers_as_without(tm
         assert conv.session.position == len(conv.tokens)
     assert [t for t, _ in answers[4]] == [t for t, _ in answers[0]]
     assert sum(st.get("accepted", 0) for _, st in answers[4]) > 0
+
+
+def test_a_ring_refuses_a_rewind_over_slots_a_rejected_draft_overwrote(tmp_path):
+    """Past its window a ring's slot for position p+1-W holds whatever p+1 wrote: after a call wrote p and p+1
+    and one token was rewound (a rejected one-token draft), the ring lost p+1-W, so no more can be rewound."""
+    import torch
+
+    model = tiny_model("mistral", sliding_window=8)
+    s = kvtrace.load(kvtrace.export(model, tmp_path / "r.kvt", max_seq_len=MAX_SEQ, backend="exported",
+                                    prefill_logits="all")).session()
+    s.prefill(torch.arange(3, 23).reshape(1, 20))
+    s.prefill([[5, 6]])  # tok and a one-token draft at 20, 21
+    s.rewind(1)  # the draft rejected: position 21, slot of 13 overwritten by 21
+    with pytest.raises(UsageError, match=r"at most 0 token\(s\) can be rewound"):
+        s.rewind(1)
+    s.decode([[7]])  # position 21 written again: the ring holds 14..21
+    s.rewind(1)  # one token past the window, as before
+    assert s.position == 21
+    s.reset()
+    s.prefill(torch.arange(3, 23).reshape(1, 20))
+    s.decode([[5]])
+    s.rewind(1)
+    with pytest.raises(UsageError, match="can be rewound"):  # the older hole: rewind(1) twice past the window
+        s.rewind(1)

@@ -172,10 +172,10 @@ def cmd_chat(args: argparse.Namespace, ui: UI) -> int:
     art, tier = _open(args, ui)
     try:
         conv = _conversation(art, args.system)
-        if args.speculate and conv.session.prefill_logits != "all":  # before the first message, not at each
-            raise UsageError(f"--speculate verifies drafts through prefill and needs every position's logits; "
-                             f"{args.model} was exported with the last position's only: export it with "
-                             "--prefill-logits all")
+        if args.speculate:  # refused before the first message, not at each
+            from kvtrace.runtime.speculate import check_session
+
+            check_session(conv.session)
         code = _json_lines(conv, args, tier) if ui.json_mode else _interactive(conv, args, ui, tier)
         finish_build(ui, tier)
         return code

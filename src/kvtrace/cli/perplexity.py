@@ -39,7 +39,9 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="smollm2-135m-instruct (default), a HF model dir, a GGUF file, or an artifact (.kvt/.pte, "
                         "exported with --prefill-logits all: scored alone, without a reference)")
     p.add_argument("--text", required=True, help="a UTF-8 text file to score (or - for stdin)")
-    p.add_argument("--ctx", type=int_in(4), default=512,
+    from kvtrace.tools.perplexity import MIN_CTX
+
+    p.add_argument("--ctx", type=int_in(MIN_CTX), default=512,
                    help="tokens per chunk (default 512, as llama-perplexity); the second half of each is scored")
     p.add_argument("--chunks", type=POSITIVE, default=None, help="score at most this many chunks (default: all)")
     p.add_argument("--dtype", type=choice_list(("float32", "bfloat16")), default="float32", metavar="LIST",

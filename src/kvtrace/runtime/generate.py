@@ -105,7 +105,7 @@ class GenerationStats:
     stop_reason: str = ""  # "eos", "max_new_tokens" or "max_seq_len"
     drafted: int = 0  # speculative decoding: draft tokens verified (runtime.speculate)
     accepted: int = 0  # ... and how many of them the model's own samples matched
-    calls: int = 0  # program calls after prefill (decode steps, or verify calls when speculating)
+    calls: int = 0  # speculative decoding: program calls after prefill (verify calls and decode steps)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -296,7 +296,7 @@ class Generation:
                gen: torch.Generator | None, pen: Penalties | None) -> Iterator[tuple[int | None, str]]:
         """One token per program call: (token, why the generation stops after it, or ""); (None, "eos") at EOS.
         At each yield the session holds the tokens before the one yielded."""
-        s, st = self._sampling, self.result.stats
+        s = self._sampling
         n = 0
         while True:
             with torch.inference_mode():
@@ -312,7 +312,6 @@ class Generation:
                 return
             with torch.inference_mode():
                 logits = session._decode_sampled(tok)[:, -1]  # tok [1, 1] stays on the device
-            st.calls += 1
 
     def _speculative(self, session: Session, logits: torch.Tensor, max_new: int, eos: set[int],
                      gen: torch.Generator | None, pen: Penalties | None) -> Iterator[tuple[int | None, str]]:
@@ -357,9 +356,7 @@ class Generation:
                     session._replay(1)  # out[j - 1] == draft[j - 1]: its slot holds it
                 n += 1
                 last = j == len(out) - 1
-                why = stop if last and stop != "eos" else ""
-                if last and not why and session.position >= session.spec.max_seq_len:
-                    why = "max_seq_len"  # as _plain's: no slot left to feed this token
+                why = self._stop(session, max_new, n) if last and stop != "eos" else ""
                 yield t, why
                 if why:
                     return
@@ -369,13 +366,16 @@ class Generation:
                 yield None, "eos"
                 return
             drafter.extend(out)
-            most = draft_room(session, min(pace.draft_len(drafter.k), max_new - n - 1))
-            draft = drafter.propose(most) if pace.worth() else []
+            draft = drafter.propose(min(pace.draft_len(drafter.k), max_new - n - 1))
+            if draft and pace.worth():  # a probe is spent only on a draft
+                draft = draft[: draft_room(session, len(draft))]
+            else:
+                draft = []
             called = time.perf_counter()
             with torch.inference_mode():
                 if draft:
                     call = torch.cat([tok, torch.tensor([draft], dtype=tok.dtype, device=tok.device)], dim=1)
-                    got = session.prefill(call)  # [1, 1 + d, V]: tok at the session's position, then the draft
+                    got = session._prefill_sampled(call)  # [1, 1 + d, V]: tok at the session's position, then the draft
                     rows = [got[:, i] for i in range(got.shape[1])]
                     st.drafted += len(draft)
                 else:
@@ -384,23 +384,15 @@ class Generation:
 
 
 def _drafter(session: Session, speculate: int) -> Any:
-    """The NgramDrafter of a speculative generation (None for ``speculate=0``), after checking the session can
-    verify drafts: every position's logits from prefill, and a cache that rewind can take back."""
+    """The NgramDrafter of a speculative generation (None for ``speculate=0``), once the session can verify
+    drafts (``speculate.check_session``)."""
     if not speculate:
         return None
-    from kvtrace.runtime.speculate import NgramDrafter
+    from kvtrace.runtime.speculate import NgramDrafter, check_session
 
-    if getattr(session, "prefill_logits", "all") != "all":
-        raise UsageError("speculative decoding verifies its draft tokens in one prefill call and needs every "
-                         "position's logits; this artifact's prefill returns the last position's only: export it "
-                         "with --prefill-logits all")
-    if session.spec.extra:
-        raise UsageError(f"speculative decoding rewinds rejected draft tokens; this cache has extra state "
-                         f"{[b.name for b in session.spec.extra]} that rewind cannot take back: generate without "
-                         "speculate")
-    if session.spec.batch_size != 1:
-        raise UsageError(f"speculative decoding runs one sequence; this artifact has batch {session.spec.batch_size}")
-    return NgramDrafter(speculate)
+    drafter = NgramDrafter(speculate)
+    check_session(session)
+    return drafter
 
 
 def stream(

@@ -1,6 +1,7 @@
 """Session: owns one cache for one conversation over an artifact's compiled programs.
 
-The position advances in exactly one place (``_run``). Every position handed to a program is a
+The position advances when a program runs (``_run``), and otherwise only where ``_replay`` takes back a
+rewind over slots the last call wrote (speculative decoding). Every position handed to a program is a
 tensor (``input_pos``, and ``key_pos = 0 .. end-1`` for programs that attend to the live cache
 prefix only); the Session itself keeps a host-side int so it can refuse to run past ``max_seq_len``
 *before* touching the cache. Extra programs (e.g. a vision decoder's ``prefill_image``) are picked
@@ -149,6 +150,7 @@ class Session:
             _check_state(spec, self._state)
         self._pos = 0
         self._replayable = 0  # slots the last program call wrote that a rewind since has handed back (_replay)
+        self._ahead = 0  # slots written past the position (rewound, not yet overwritten): what a ring lost to them
         self._filled: set[str] = set()  # `once` programs run since reset()
         self._graphs = self._graph_decode(cuda_graphs, capturer, graph_buckets)
         if self._held:  # last: a construction refused above leaves the programs free for another session
@@ -305,6 +307,12 @@ class Session:
         with self._exclusive("prefill"):
             return self._prefill_locked(_as_tokens(tokens, "prefill"), inputs)
 
+    def _prefill_sampled(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``prefill`` of ids this session's generation already holds (a speculative draft: sampled tokens and
+        the prompt's, checked when prefilled), so the vocabulary check is skipped, as ``_decode_sampled`` does."""
+        with self._exclusive("prefill"):
+            return self._run(self._prefill, tokens, "prefill", key_pos=self._key_pos, sampled=True)
+
     def _prefill_locked(self, tokens: torch.Tensor, inputs: dict[str, torch.Tensor | None]) -> torch.Tensor:
         inputs = {k: v for k, v in inputs.items() if v is not None}
         if not inputs:
@@ -388,6 +396,7 @@ class Session:
             cache = () if self._held else self._state  # programs holding their cache take none
             logits = program(tokens, input_pos, *keys, *(i.to(dev) for i in inputs or ()), *cache)
         self._pos = end
+        self._ahead = max(0, self._ahead - t)  # the call rewrote the first t of them
         self._replayable = 0
         return logits
 
@@ -396,7 +405,7 @@ class Session:
         with self._exclusive("reset"):
             self.spec.reset_(self._state)
             self._pos = 0
-            self._replayable = 0
+            self._replayable = self._ahead = 0
             self._filled.clear()
 
     def rewind(self, n: int) -> None:
@@ -421,6 +430,8 @@ class Session:
                 self._check_kept(n)
             self._pos -= n
             self._replayable += n
+            # at position 0 nothing before it is read: positions 0.. are rewritten in order from here
+            self._ahead = 0 if self._pos == 0 else self._ahead + n
 
     def _replay(self, n: int) -> None:
         """Take back ``n`` tokens of a ``rewind`` made since the last program call: their slots still hold what
@@ -432,11 +443,14 @@ class Session:
                                  "taken back")
             self._pos += n
             self._replayable -= n
+            self._ahead = max(0, self._ahead - n)
 
     def _check_kept(self, n: int) -> None:
-        """Refuse rewind(n) when a layer no longer holds what the rewound-to position must read."""
+        """Refuse rewind(n) when a layer no longer holds what the rewound-to position must read. Slots written
+        past the position by an earlier call and rewound since (``_ahead``: a rejected speculative draft, a
+        rewind after a rewind) count as dropped too: a ring overwrote older positions with them."""
         for i, layer in enumerate(self.spec.layers):
-            most = kind_of(layer).max_rewind(layer, self._pos)
+            most = kind_of(layer).max_rewind(layer, self._pos + self._ahead) - self._ahead
             if n > most:
                 slots = f" of {layer.max_len} slots" if layer.window else ""
                 raise UsageError(
@@ -491,7 +505,7 @@ class Session:
         for dst, src in zip(self._state, snap.state, strict=True):
             dst.copy_(src)
         self._pos = snap.position
-        self._replayable = 0
+        self._replayable = self._ahead = 0
         self._filled = set(snap.filled)
 
 

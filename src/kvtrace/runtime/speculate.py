@@ -32,11 +32,13 @@ tokens still wanted.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
+from typing import Any
 
 from kvtrace._errors import UsageError
 
-__all__ = ["NgramDrafter", "Pace", "draft_room"]
+__all__ = ["NgramDrafter", "Pace", "check_session", "draft_room"]
 
 MAX_DRAFT = 16  # more draft tokens than this verify in a call that costs more than the decode steps it could save
 MIN_NGRAM = 2  # a draft needs the last 2 tokens to have occurred before: 1-token matches ("the") mostly miss
@@ -51,6 +53,12 @@ class NgramDrafter:
     comes, so a proposal costs ``O(max_ngram)``."""
 
     def __init__(self, k: int, *, max_ngram: int = 3, min_ngram: int = MIN_NGRAM):
+        try:  # ints and int-like objects only; never 2.0 or True
+            if isinstance(k, bool):
+                raise TypeError
+            k = operator.index(k)
+        except TypeError:
+            raise UsageError(f"speculate takes a whole number of draft tokens; got {type(k).__name__} {k!r}") from None
         if not 1 <= k <= MAX_DRAFT:
             raise UsageError(f"speculate takes 1 .. {MAX_DRAFT} draft tokens; got {k}")
         if not 1 <= min_ngram <= max_ngram:
@@ -130,6 +138,21 @@ class Pace:
     def draft_len(self, k: int) -> int:
         """The most draft tokens to try next: k until measured, then about one more than the mean yield."""
         return k if self.gain is None else max(1, min(k, math.ceil(self.gain) + 1))
+
+
+def check_session(session: Any) -> None:
+    """UsageError unless ``session`` can verify drafts: every position's prefill logits, a cache ``rewind`` can
+    take back (no extra state), one sequence."""
+    if session.prefill_logits != "all":
+        raise UsageError("speculative decoding verifies its draft tokens in one prefill call and needs every "
+                         "position's logits; this artifact's prefill returns the last position's only: export it "
+                         "with --prefill-logits all (kvtrace.export(..., prefill_logits=\"all\"))")
+    if session.spec.extra:
+        raise UsageError(f"speculative decoding rewinds rejected draft tokens; this cache has extra state "
+                         f"{[b.name for b in session.spec.extra]} that rewind cannot take back: generate without "
+                         "speculating")
+    if session.spec.batch_size != 1:
+        raise UsageError(f"speculative decoding runs one sequence; this artifact has batch {session.spec.batch_size}")
 
 
 def draft_room(session: object, wanted: int) -> int:

@@ -75,8 +75,8 @@ class PerplexityReport:
 
     def exceeds(self, max_kl: float) -> list[str]:
         """The rows whose mean KL from the reference is above ``max_kl`` (or not finite), as one line each."""
-        return [f"{r.name}: mean KL {r.kl_mean:.4g} > {max_kl:g}" for r in self.rows[1:]
-                if r.kl_mean is None or not r.kl_mean <= max_kl]
+        return [f"{r.name}: mean KL {'none' if r.kl_mean is None else f'{r.kl_mean:.4g}'} > {max_kl:g}"
+                for r in self.rows[1:] if r.kl_mean is None or not r.kl_mean <= max_kl]
 
     def to_json(self) -> str:
         d = asdict(self)
@@ -104,7 +104,7 @@ def chunk_tokens(ids: Sequence[int], ctx: int, *, chunks: int | None = None,
     n = len(ids) // ctx
     if n == 0:
         raise UsageError(f"the text has {len(ids)} tokens; a context of {ctx} needs at least {ctx}: pass a longer "
-                         "text or a smaller context")
+                         "text or a smaller context (--ctx)")
     n = min(n, chunks) if chunks is not None else n
     out = torch.tensor(list(ids[: n * ctx]), dtype=torch.long).view(n, ctx)  # [N, ctx]
     if bos_id is not None:
@@ -178,7 +178,7 @@ def _check_runner(r: Any, ctx: int) -> None:
     session = getattr(r, "session", None)
     if session is None:
         return
-    if getattr(session, "prefill_logits", "all") != "all":
+    if r.prefill_logits != "all":
         raise UsageError(f"{r.name}: its prefill returns the last position's logits only (exported with "
                          "prefill_logits='last', what generation needs); perplexity scores every position: export "
                          "it with --prefill-logits all")
@@ -208,11 +208,14 @@ def render_markdown(report: PerplexityReport) -> str:
 
 
 def text_ids(tokenizer: Any, text: str, bos_id: int | None) -> tuple[list[int], int | None]:
-    """The text's token ids (no special tokens) and the BOS each chunk starts with: ``bos_id`` where the
-    tokenizer itself puts it first when it adds special tokens (as llama.cpp's ``add_bos``), else None."""
+    """The text's token ids and the BOS each chunk starts with: where the tokenizer itself puts ``bos_id`` first
+    when it adds special tokens (llama.cpp's ``add_bos``), the ids start with it, as llama.cpp tokenizes the
+    text, and it is returned; else the ids without special tokens, and None."""
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     lead = tokenizer.encode("", add_special_tokens=True).ids
-    return ids, bos_id if bos_id is not None and lead[:1] == [bos_id] else None
+    if bos_id is not None and lead[:1] == [bos_id]:
+        return [bos_id, *ids], bos_id
+    return ids, None
 
 
 def row_name(backend: str, quant: str, kv_dtype: str, dtype: str) -> str:
