@@ -450,7 +450,7 @@ class Session:
         past the position by an earlier call and rewound since (``_ahead``: a rejected speculative draft, a
         rewind after a rewind) count as dropped too: a ring overwrote older positions with them."""
         for i, layer in enumerate(self.spec.layers):
-            most = kind_of(layer).max_rewind(layer, self._pos + self._ahead) - self._ahead
+            most = max(0, kind_of(layer).max_rewind(layer, self._pos + self._ahead) - self._ahead)
             if n > most:
                 slots = f" of {layer.max_len} slots" if layer.window else ""
                 raise UsageError(
