@@ -82,9 +82,18 @@ def test_bad_draft_sizes_are_refused():
         NgramDrafter(0)
 
 
-class _At:
-    def __init__(self, spec, position):
-        self.spec, self.position = spec, position
+def _At(spec, position):  # a Session over these layers at ``position`` (its programs compute nothing)
+    import torch
+
+    from kvtrace.runtime.session import Session
+
+    def noop(tokens, input_pos, *state):
+        return torch.zeros(tokens.shape[0], tokens.shape[1], 4)
+
+    s = Session(spec, noop, noop)
+    if position:
+        s.prefill([[1] * position])
+    return s
 
 
 def test_a_draft_fits_the_cache_and_what_a_ring_can_rewind():

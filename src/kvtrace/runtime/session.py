@@ -445,12 +445,18 @@ class Session:
             self._replayable -= n
             self._ahead = max(0, self._ahead - n)
 
+    def _kept(self, layer: Any, after: int = 0) -> int:
+        """The most tokens ``rewind`` may drop from ``layer`` now, or after a call of ``after`` more tokens
+        (``KindOps.max_rewind``). Slots written past the position by an earlier call and rewound since
+        (``_ahead``: a rejected speculative draft, a rewind after a rewind) count as dropped too: a ring
+        overwrote older positions with them."""
+        ahead = max(0, self._ahead - after)  # a call rewrites the first of them
+        return max(0, kind_of(layer).max_rewind(layer, self._pos + after + ahead) - ahead)
+
     def _check_kept(self, n: int) -> None:
-        """Refuse rewind(n) when a layer no longer holds what the rewound-to position must read. Slots written
-        past the position by an earlier call and rewound since (``_ahead``: a rejected speculative draft, a
-        rewind after a rewind) count as dropped too: a ring overwrote older positions with them."""
+        """Refuse rewind(n) when a layer no longer holds what the rewound-to position must read (``_kept``)."""
         for i, layer in enumerate(self.spec.layers):
-            most = max(0, kind_of(layer).max_rewind(layer, self._pos + self._ahead) - self._ahead)
+            most = self._kept(layer)
             if n > most:
                 slots = f" of {layer.max_len} slots" if layer.window else ""
                 raise UsageError(

@@ -155,15 +155,12 @@ def check_session(session: Any) -> None:
         raise UsageError(f"speculative decoding runs one sequence; this artifact has batch {session.spec.batch_size}")
 
 
-def draft_room(session: object, wanted: int) -> int:
+def draft_room(session: Any, wanted: int) -> int:
     """How many draft tokens a call at the session's position may carry: at most ``wanted``, what the cache
-    has room for besides the last sampled token, and what every layer could rewind afterwards
-    (``KindOps.max_rewind`` at the position after the call must allow dropping all of them)."""
-    from kvtrace.cache.kinds import kind_of
-
-    spec = session.spec  # type: ignore[attr-defined]
-    pos = session.position  # type: ignore[attr-defined]
-    d = min(wanted, spec.max_seq_len - pos - 1)
-    while d > 0 and any(kind_of(layer).max_rewind(layer, pos + d + 1) < d for layer in spec.layers):
+    has room for besides the last sampled token, and what every layer could rewind after the call (the rule
+    ``Session.rewind`` applies, ``Session._kept``)."""
+    spec = session.spec
+    d = min(wanted, spec.max_seq_len - session.position - 1)
+    while d > 0 and any(session._kept(layer, after=d + 1) < d for layer in spec.layers):
         d -= 1
     return max(d, 0)
