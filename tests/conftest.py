@@ -213,6 +213,42 @@ def make_tiny_hf_dir(d: Path, *, max_position_embeddings: int = 64, model=None, 
     return model
 
 
+BYTE_CORPUS = ['{"name": "cat", "age": 3}', '{"name": "hello world", "tags": ["a", "b"]}', "the cat sat on the mat 123",
+               '{"ok": true, "n": null, "x": -1.5e3}']
+BYTE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+
+
+def byte_tokenizer():
+    """A byte-level BPE as real LLM tokenizers are (every byte a token, plus merges such as '{"' and 'name'), so
+    any text, JSON included, can be spelled: what structured output needs (``runtime.grammar``)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(BYTE_CORPUS * 20, trainers.BpeTrainer(
+        vocab_size=320, special_tokens=BYTE_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    return tok
+
+
+def make_byte_hf_dir(d: Path, *, max_position_embeddings: int = 256):
+    """A tiny random Llama over ``byte_tokenizer`` (eos <|im_end|> = 2, ChatML template) saved in ``d``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = byte_tokenizer()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|im_end|>",
+        "unk_token": None, "chat_template": CHATML}))
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**TINY, "vocab_size": tok.get_vocab_size(), "max_position_embeddings": max_position_embeddings},
+                         bos_token_id=None, eos_token_id=2)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(d)
+    return model
+
+
 # --- Llama 3.2 Vision text decoder (MllamaForCausalLM): self- and cross-attention layers --------
 MLLAMA_CROSS_LAYERS = (1, 3)
 IMAGE_TOKENS = 6  # N: image tokens the cross-attention layers attend to

@@ -16,6 +16,7 @@ EXPECTED = ERRORS | {
     "export", "load", "Artifact", "Manifest", "QuantSpec",  # artifacts
     "Session", "ProgramSet", "Snapshot", "Sampling", "generate", "stream", "Generation", "GenerationResult",
     "GenerationStats", "Chunk", "Conversation", "Turn", "TurnStats", "Capturer", "EagerCapturer", "GraphStats",  # running
+    "Constraint", "ConstraintKind", "Grammar", "GrammarState",  # structured output
     "SlotEngine", "SlotRequest", "SlotEvent", "FinishReason", "SlotSession", "TokenLogprobs",  # many conversations, one cache
     "verify", "VerifyReport", "StepRow", "NoiseFloor", "Prompt", "Runner", "EagerRunner", "JitRunner", "SessionRunner",
     "DecoderRunner", "perplexity", "PerplexityReport", "PerplexityRow",

@@ -121,3 +121,20 @@ def test_generate_cold_then_cached(cache_dir, capsys):
     assert cold["prompt_tokens"] == 37
     print(f"generate: cold load {cold['load_s']} s (compile {cold['compile_s']} s), warm load {warm['load_s']} s; "
           f"prefill {warm['prefill_ms']} ms, decode {warm['decode_tokens_per_s']} tok/s; text: {warm['text'][:80]!r}")
+
+
+def test_generate_json_schema_answers_valid_json_on_the_cached_programs(cache_dir, capsys):
+    schema = {"type": "object", "properties": {"company": {"type": "string", "maxLength": 40},
+                                               "founders": {"type": "array", "items": {"type": "string",
+                                                                                       "maxLength": 40},
+                                                            "minItems": 1, "maxItems": 4},
+                                               "year": {"type": "integer", "minimum": 1900, "maximum": 2030}},
+              "required": ["company", "founders", "year"], "additionalProperties": False}
+    args = ["generate", "Give Meta's founders and the year it was founded, as JSON.", "--max-new-tokens", "120",
+            "--json", "--json-schema", json.dumps(schema)]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    value = json.loads(out["text"])
+    assert list(value) == ["company", "founders", "year"] and 1900 <= value["year"] <= 2030, value
+    assert out["stop_reason"] in ("grammar", "eos"), out
+    print(f"json schema: {value}; decode {out['decode_tokens_per_s']} tok/s over {out['new_tokens']} tokens")

@@ -12,6 +12,7 @@ the plug-in points are ``kvtrace.backends``, ``kvtrace.cache.kinds`` and ``kvtra
     slot, first = eng.admit(kvtrace.SlotRequest(ids, max_tokens=64)); events = eng.step()
     kvtrace.verify(reference, candidates, [tokens, kvtrace.Prompt(tokens, {"cross_attention_states": x})])
     kvtrace.perplexity([reference, *candidates], chunks)   # chunks [N, ctx]: llama.cpp's ppl, KL from the first
+    g = art.grammar(kvtrace.Constraint.json_schema(schema)); kvtrace.generate(s, ids, grammar=g)  # structured output
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ _LAZY = {
     "GenerationResult": "kvtrace.runtime.generate",
     "GenerationStats": "kvtrace.runtime.generate",
     "Chunk": "kvtrace.runtime.generate",
+    "Constraint": "kvtrace.runtime.grammar",
+    "ConstraintKind": "kvtrace.runtime.grammar",
+    "Grammar": "kvtrace.runtime.grammar",
+    "GrammarState": "kvtrace.runtime.grammar",
     "Conversation": "kvtrace.runtime.chat",
     "Capturer": "kvtrace.runtime.graphs",
     "EagerCapturer": "kvtrace.runtime.graphs",
@@ -104,6 +109,8 @@ __all__ = [
     "CaptureError",
     "Capturer",
     "Chunk",
+    "Constraint",
+    "ConstraintKind",
     "Conversation",
     "Decoder",
     "DecoderRunner",
@@ -114,6 +121,8 @@ __all__ = [
     "Generation",
     "GenerationResult",
     "GenerationStats",
+    "Grammar",
+    "GrammarState",
     "GraphStats",
     "InputSpec",
     "JitRunner",

@@ -55,7 +55,7 @@ builds and checks its own programs); this one holds ``Artifact`` and ``load``.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +66,7 @@ from kvtrace.artifact import hugepages, reader
 from kvtrace.artifact.write import dedupe_weights, program_signature, write_artifact
 from kvtrace.backends import registry
 from kvtrace.runtime.chat import Conversation
+from kvtrace.runtime.grammar import Constraint, Grammar
 from kvtrace.runtime.graphs import Capturer
 from kvtrace.runtime.session import ProgramSet, Session
 from kvtrace.runtime.slots import SlotEngine, SlotSession
@@ -158,6 +159,15 @@ class Artifact:
         if b in registry.names() and registry.get(b).holds_state:
             raise UnsupportedError(f"{self.path.name}: {b} programs hold their own cache, so they cannot serve "
                                    "conversation slots; serve an aoti or exported artifact (or use art.session())")
+
+    def grammar(self, constraint: Constraint, eos_ids: Sequence[int] | None = None) -> Grammar:
+        """``constraint`` (structured output: ``kvtrace.Constraint``) compiled for this artifact's tokenizer, for
+        ``generate``/``stream`` (``grammar=``) and ``SlotRequest``; ``eos_ids``: the stop ids the output may end
+        with where the constraint allows (default: the manifest's). Needs llguidance (``kvtrace[grammar]``)."""
+        if self.tokenizer_json is None:
+            raise UsageError(f"{self.path} has no tokenizer, which structured output needs; export it from a model "
+                             "source that has one")
+        return Grammar(constraint, self.tokenizer_json, self.manifest.eos_ids if eos_ids is None else eos_ids)
 
     def conversation(self, system: str | None = None) -> Conversation:
         """A multi-turn chat over a new Session: each turn prefills only its new tokens (runtime/chat.py).

@@ -7,6 +7,8 @@ import math
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from kvtrace._errors import UsageError
+
 
 class Parser(argparse.ArgumentParser):
     """argparse with kvtrace's one-line errors (exit 2): ``kvtrace run: error: ... (see kvtrace run --help)``."""
@@ -242,6 +244,46 @@ def speculate_arg(p: argparse.ArgumentParser, builds: bool) -> None:
                         "keeps those the model's own samples agree with (same sampling; greedy answers the same "
                         f"up to near-ties); fast where the answer repeats its context (rewrites, edits, code). {where}. "
                         "Default 0: off")
+
+
+def constraint_args(p: argparse.ArgumentParser) -> None:
+    """Structured output (``runtime.grammar``): at most one of --json-schema / --json-object / --regex / --grammar."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="answer with JSON valid under this JSON schema: a file (.json) or the schema itself; every "
+                        "token is sampled from those that keep the answer valid, and it ends when the JSON is "
+                        "complete (needs llguidance: pip install 'kvtrace[grammar]')")
+    g.add_argument("--json-object", action="store_true", help="answer with a JSON object (any)")
+    g.add_argument("--regex", default=None, metavar="PATTERN", help="answer with text the whole of which matches PATTERN")
+    g.add_argument("--grammar", default=None, metavar="FILE",
+                   help="answer with text derived from the rule `start` of this Lark grammar (llguidance's variant)")
+
+
+def constraint_of(args: argparse.Namespace) -> Any:
+    """The ``Constraint`` constraint_args' options ask for (checked by llguidance), or None."""
+    from pathlib import Path
+
+    from kvtrace.runtime.grammar import Constraint
+
+    if getattr(args, "json_schema", None) is not None:
+        text = args.json_schema
+        if not text.lstrip().startswith(("{", "true", "false")):  # a file
+            path = Path(text)
+            if not path.is_file():
+                raise UsageError(f"--json-schema {text!r}: no such file, and not a JSON schema object either "
+                                 "(give a .json file or the schema itself, e.g. '{\"type\": \"object\"}')")
+            text = path.read_text(encoding="utf-8", errors="replace")
+        return Constraint.json_schema(text).check()
+    if getattr(args, "json_object", False):
+        return Constraint.json_object().check()
+    if getattr(args, "regex", None) is not None:
+        return Constraint.regex(args.regex).check()
+    if getattr(args, "grammar", None) is not None:
+        path = Path(args.grammar)
+        if not path.is_file():
+            raise UsageError(f"--grammar {args.grammar!r}: no such file (give a Lark grammar file)")
+        return Constraint.lark(path.read_text(encoding="utf-8", errors="replace")).check()
+    return None
 
 
 def sampling_args(p: argparse.ArgumentParser) -> None:

@@ -18,6 +18,8 @@ from kvtrace._errors import KvtraceError, UsageError
 from kvtrace.cli.args import (
     POSITIVE,
     backend_arg,
+    constraint_args,
+    constraint_of,
     huge_pages_arg,
     quant_args,
     sampling_knobs,
@@ -85,7 +87,7 @@ def _answer(conv: Any, text: str, args: argparse.Namespace, write: Callable[[str
     if tier is not None and tier.poll(conv.session, finish_loading=True):  # built while the user was typing
         switch.now(conv.session.label)
     with conv.ask(text, max_new_tokens=args.max_new_tokens, sampling=sampling,
-                  speculate=getattr(args, "speculate", 0)) as turn:
+                  speculate=getattr(args, "speculate", 0), grammar=getattr(args, "bound_grammar", None)) as turn:
         try:
             for chunk in turn:
                 write(chunk.text)
@@ -167,11 +169,13 @@ def _json_lines(conv: Any, args: argparse.Namespace, tier: Any = None) -> int:
 
 
 def cmd_chat(args: argparse.Namespace, ui: UI) -> int:
-    from kvtrace.cli.generate import finish_build
+    from kvtrace.cli.generate import bind_grammar, finish_build
 
+    constraint = constraint_of(args)  # a bad schema or pattern: refused before anything loads
     art, tier = _open(args, ui)
     try:
         conv = _conversation(art, args.system)
+        args.bound_grammar = bind_grammar(art, constraint)  # every answer under it
         if args.speculate:  # refused before the first message, not at each
             from kvtrace.runtime.speculate import check_session
 
@@ -199,6 +203,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     quant_args(p, auto=True)
     tiered_arg(p)
     sampling_knobs(p)
+    constraint_args(p)
     speculate_arg(p, builds=True)
     huge_pages_arg(p)
     p.set_defaults(func=cmd_chat)

@@ -16,6 +16,8 @@ from kvtrace.cli.args import (
     backend_arg,
     chosen_backend,
     chosen_quant,
+    constraint_args,
+    constraint_of,
     cuda_graphs_arg,
     device_arg,
     huge_pages_arg,
@@ -70,10 +72,11 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
     tok = art.tokenizer()
     sampling = sampling_of(args)
     inputs = image_inputs(art, getattr(args, "image_features", None))
+    grammar = bind_grammar(art, getattr(args, "constraint", None))
     session = art.session(cuda_graphs=getattr(args, "cuda_graphs", False))
     gen = stream(session, ids, max_new_tokens=min(max_new, room), sampling=sampling, inputs=inputs,
                  eos_ids=art.manifest.eos_ids, decode_text=lambda t: tok.decode(t, skip_special_tokens=True),
-                 speculate=getattr(args, "speculate", 0))
+                 speculate=getattr(args, "speculate", 0), grammar=grammar)
     switch = Switch(session.label)
     for chunk in gen:
         if chunk.text and not ui.json_mode:
@@ -90,6 +93,19 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
     if switch.line():
         ui.info(f"[dim]{switch.line()}[/dim]")
     return {"text": res.text, "tokens": res.tokens, **res.stats.to_dict(), **switch.to_dict()}
+
+
+def bind_grammar(art: Any, constraint: Any) -> Any:
+    """``constraint`` (``constraint_of``'s) compiled for the artifact's tokenizer and stop ids, or None."""
+    if constraint is None:
+        return None
+    from kvtrace.runtime.grammar import Grammar
+
+    tok = art.tokenizer()
+    if tok is None:
+        raise UsageError(f"{art.path} has no tokenizer, which structured output needs; export it from a model source "
+                         "that has one")
+    return Grammar(constraint, tok, art.manifest.eos_ids)
 
 
 class Switch:
@@ -216,6 +232,7 @@ def finish_build(ui: UI, tier: Any) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace, ui: UI) -> int:
     prompt = read_prompt(args.prompt)
+    args.constraint = constraint_of(args)  # a bad schema or pattern: refused before anything loads
     if getattr(args, "cuda_graphs", False) and str(args.device) == "cpu":  # before any model is read or compiled
         raise UsageError("--cuda-graphs needs --device cuda (decode replayed from CUDA graphs); drop it on the CPU")
     t0 = time.perf_counter()
@@ -253,6 +270,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
     quant_args(p, auto=True)
     tiered_arg(p)
     sampling_args(p)
+    constraint_args(p)
     speculate_arg(p, builds=True)
     device_arg(p)
     cuda_graphs_arg(p)

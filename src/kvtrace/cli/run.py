@@ -9,6 +9,8 @@ from collections.abc import Callable
 from kvtrace._errors import UsageError
 from kvtrace.cli.args import (
     POSITIVE,
+    constraint_args,
+    constraint_of,
     cuda_graphs_arg,
     device_arg,
     huge_pages_arg,
@@ -23,6 +25,7 @@ def cmd_run(args: argparse.Namespace, ui: UI) -> int:
     from kvtrace.artifact.archive import load
 
     prompt = read_prompt(args.prompt)
+    args.constraint = constraint_of(args)  # a bad schema or pattern: refused before the artifact loads
     with ui.step(f"loading {args.file}"):
         art = load(args.file, expected_sha256=args.expected_sha256, device=args.device, huge_pages=args.huge_pages)
     check_cuda_graphs(art, args)
@@ -48,6 +51,7 @@ def register(add: Callable[..., argparse.ArgumentParser]) -> None:
                    help="refuse the artifact unless the whole file has this SHA-256 (checked before anything in "
                         "it is read; aoti artifacts hold native code: pin the hash of one you trust)")
     sampling_args(p)
+    constraint_args(p)
     speculate_arg(p, builds=False)
     device_arg(p, default=None, what="where to run it: the device type it was compiled for (default), or cuda:N")
     cuda_graphs_arg(p)

@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtrace._errors import CacheOverflowError, UsageError
 from kvtrace.runtime.generate import Chunk, Generation, GenerationStats, Sampling, stream
+from kvtrace.runtime.grammar import Grammar
 from kvtrace.runtime.prefix import common_prefix
 from kvtrace.runtime.session import Session, Snapshot
 
@@ -128,11 +129,12 @@ class Conversation:
 
     # --- turns ----------------------------------------------------------------------------------------
     def ask(self, text: str, *, max_new_tokens: int = 256, sampling: Sampling | None = None,
-            speculate: int = 0) -> Turn:
+            speculate: int = 0, grammar: Grammar | None = None) -> Turn:
         """Start the answer to the user message ``text``: the session now holds the whole templated
         conversation (only its new tokens prefilled on the first chunk); iterate the returned Turn.
         ``speculate=k``: prompt-lookup speculative decoding, drafting from the whole conversation
-        (``runtime.speculate``; an artifact exported with ``prefill_logits="all"``)."""
+        (``runtime.speculate``; an artifact exported with ``prefill_logits="all"``). ``grammar``: structured output
+        for this answer (``runtime.grammar``; ``artifact.grammar(constraint)``)."""
         if not isinstance(text, str) or not text.strip():
             raise UsageError("the message is empty; type some text")
         messages = [*self.messages, {"role": "user", "content": text}]
@@ -157,7 +159,7 @@ class Conversation:
         new = full[keep:]
         gen = stream(self.session, new, max_new_tokens=min(max_new_tokens, limit - len(full)), sampling=sampling,
                      eos_ids=self.eos_ids, decode_text=self._decode, speculate=speculate,
-                     draft_context=full[:keep])
+                     draft_context=full[:keep], grammar=grammar)
         stats = dict(conversation_tokens=len(full), reused=keep, prefilled=len(new), rewound=rewound,
                      reprefilled=reprefilled)
         return Turn(self, gen, full, stats)

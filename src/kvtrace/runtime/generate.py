@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from kvtrace._errors import CacheOverflowError, UsageError
+from kvtrace.runtime.grammar import Grammar, GrammarState
 from kvtrace.runtime.session import Session
 
 __all__ = ["Chunk", "Generation", "GenerationResult", "GenerationStats", "Penalties", "Sampling", "generate", "sample",
@@ -102,7 +103,7 @@ class GenerationStats:
     prefill_ms: float = 0.0
     decode_seconds: float = 0.0
     peak_rss_mib: float = 0.0
-    stop_reason: str = ""  # "eos", "max_new_tokens" or "max_seq_len"
+    stop_reason: str = ""  # "eos", "max_new_tokens", "max_seq_len" or "grammar" (the constraint is complete)
     drafted: int = 0  # speculative decoding: draft tokens verified (runtime.speculate)
     accepted: int = 0  # ... and how many of them the model's own samples matched
     calls: int = 0  # speculative decoding: program calls after prefill (verify calls and decode steps)
@@ -142,15 +143,21 @@ class GenerationResult:
 
 
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None,
-           penalties: Penalties | None = None) -> torch.Tensor:
-    """logits [B, V] -> next token ids [B, 1]; ``penalties`` (needed where ``s.penalized``) first reshape them, and
-    count the token sampled (``Penalties.add``: the one place a generation's penalty state advances)."""
-    if not s.penalized:
-        return _pick(logits, s, gen)
-    if penalties is None:
+           penalties: Penalties | None = None, grammar: GrammarState | None = None) -> torch.Tensor:
+    """logits [B, V] -> next token ids [B, 1]; ``penalties`` (needed where ``s.penalized``) first reshape them,
+    then ``grammar`` (structured output, batch 1) forbids what its constraint does not
+    allow next; both then count the token sampled (``Penalties.add``, ``GrammarState.advance``: the one place a
+    generation's penalty and grammar states advance)."""
+    if s.penalized and penalties is None:
         raise UsageError("this Sampling has penalties; pass the generation's Penalties to sample")
-    tok = _pick(penalties.apply(logits), s, gen)
-    penalties.add(tok)
+    if not s.penalized and grammar is None:
+        return _pick(logits, s, gen)
+    x = penalties.apply(logits) if s.penalized else logits
+    tok = _pick(grammar.mask(x) if grammar is not None else x, s, gen)
+    if s.penalized:
+        penalties.add(tok)
+    if grammar is not None:
+        grammar.advance(int(tok))
     return tok
 
 
@@ -219,8 +226,9 @@ class Generation:
     def __init__(self, session: Session, prompt: Sequence[int] | torch.Tensor, *, max_new_tokens: int,
                  sampling: Sampling | None, eos_ids: Sequence[int],
                  decode_text: Callable[[list[int]], str] | None, inputs: Mapping[str, torch.Tensor] | None,
-                 speculate: int = 0, draft_context: Sequence[int] = ()):
+                 speculate: int = 0, draft_context: Sequence[int] = (), grammar: Grammar | None = None):
         self._sampling = sampling or Sampling()
+        self._grammar = _checked_grammar(grammar, eos_ids)
         self._drafter = _drafter(session, speculate)
         if self._drafter is not None:
             self._drafter.extend(draft_context)
@@ -257,6 +265,7 @@ class Generation:
         # sampling runs where the logits are (the session's device): only the sampled id comes back to the host
         gen = torch.Generator(device=session.device).manual_seed(s.seed) if s.seed is not None else None
         pen = Penalties(s, ids) if s.penalized else None
+        gs = self._grammar.start() if self._grammar is not None else None
         stream = _TextStream(self._decode_text) if self._decode_text is not None else None
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -266,9 +275,9 @@ class Generation:
         t1 = time.perf_counter()
         if self._drafter is not None:
             self._drafter.extend(ids[0].tolist())
-            steps = self._speculative(session, logits, max_new, eos, gen, pen)
+            steps = self._speculative(session, logits, max_new, eos, gen, pen, gs)
         else:
-            steps = self._plain(session, logits, max_new, eos, gen, pen)
+            steps = self._plain(session, logits, max_new, eos, gen, pen, gs)
         for t, stop in steps:
             if t is not None:
                 res.tokens.append(t)
@@ -287,26 +296,28 @@ class Generation:
         if self._decode_text is not None:
             res.text = self._decode_text(res.tokens)
 
-    def _stop(self, session: Session, max_new: int, n_new: int) -> str:
+    def _stop(self, session: Session, max_new: int, n_new: int, gs: GrammarState | None = None) -> str:
         """Why the generation ends after its ``n_new``-th token (the session at the tokens before it), or ""."""
-        return ("max_new_tokens" if n_new >= max_new
+        return ("grammar" if gs is not None and gs.done
+                else "max_new_tokens" if n_new >= max_new
                 else "max_seq_len" if session.position >= session.spec.max_seq_len else "")
 
     def _plain(self, session: Session, logits: torch.Tensor, max_new: int, eos: set[int],
-               gen: torch.Generator | None, pen: Penalties | None) -> Iterator[tuple[int | None, str]]:
+               gen: torch.Generator | None, pen: Penalties | None,
+               gs: GrammarState | None) -> Iterator[tuple[int | None, str]]:
         """One token per program call: (token, why the generation stops after it, or ""); (None, "eos") at EOS.
         At each yield the session holds the tokens before the one yielded."""
         s = self._sampling
         n = 0
         while True:
             with torch.inference_mode():
-                tok = sample(logits, s, gen, pen)  # [1, 1]
+                tok = sample(logits, s, gen, pen, gs)  # [1, 1]
             t = int(tok)
             if t in eos:
                 yield None, "eos"
                 return
             n += 1
-            stop = self._stop(session, max_new, n)
+            stop = self._stop(session, max_new, n, gs)
             yield t, stop
             if stop:
                 return
@@ -314,7 +325,8 @@ class Generation:
                 logits = session._decode_sampled(tok)[:, -1]  # tok [1, 1] stays on the device
 
     def _speculative(self, session: Session, logits: torch.Tensor, max_new: int, eos: set[int],
-                     gen: torch.Generator | None, pen: Penalties | None) -> Iterator[tuple[int | None, str]]:
+                     gen: torch.Generator | None, pen: Penalties | None,
+                     gs: GrammarState | None) -> Iterator[tuple[int | None, str]]:
         """As ``_plain``, a verify call at a time: sample the call's rows in order while they confirm its draft
         (``rows[i]`` [1, V] predicts the token after ``tok`` and the first ``i`` draft tokens), rewind the session
         to ``tok``, then yield the tokens, taking back one accepted draft slot before each after the first
@@ -331,12 +343,15 @@ class Generation:
             stop = ""
             with torch.inference_mode():
                 for i, row in enumerate(rows):
-                    tok = sample(row, s, gen, pen)  # [1, 1]
+                    tok = sample(row, s, gen, pen, gs)  # [1, 1]: row i's mask follows the i tokens before it
                     t = int(tok)  # on a GPU: waits for the call
                     if t in eos:
                         stop = "eos"
                         break
                     out.append(t)
+                    if gs is not None and gs.done:
+                        stop = "grammar"
+                        break
                     if n + len(out) >= max_new:
                         stop = "max_new_tokens"
                         break
@@ -356,7 +371,7 @@ class Generation:
                     session._replay(1)  # out[j - 1] == draft[j - 1]: its slot holds it
                 n += 1
                 last = j == len(out) - 1
-                why = self._stop(session, max_new, n) if last and stop != "eos" else ""
+                why = self._stop(session, max_new, n, gs) if last and stop != "eos" else ""
                 yield t, why
                 if why:
                     return
@@ -383,6 +398,21 @@ class Generation:
             st.calls += 1
 
 
+def _checked_grammar(grammar: Grammar | None, eos_ids: Sequence[int]) -> Grammar | None:
+    """``grammar`` once it is a Grammar whose stop ids the generation stops at too."""
+    if grammar is None:
+        return None
+    if not isinstance(grammar, Grammar):
+        raise UsageError(f"grammar= takes a kvtrace.Grammar (a Constraint bound to the tokenizer: "
+                         f"artifact.grammar(constraint)), got {type(grammar).__name__}")
+    extra = sorted(set(grammar.eos_ids) - {int(i) for i in eos_ids})
+    if extra:
+        raise UsageError(f"the grammar lets the output end with stop ids {extra}, which this generation does not "
+                         f"stop at (its eos_ids: {sorted(int(i) for i in eos_ids)}); bind the grammar with the "
+                         "generation's own stop ids")
+    return grammar
+
+
 def _drafter(session: Session, speculate: int) -> Any:
     """The NgramDrafter of a speculative generation (None for ``speculate=0``), once the session can verify
     drafts (``speculate.check_session``)."""
@@ -406,13 +436,15 @@ def stream(
     inputs: Mapping[str, torch.Tensor] | None = None,
     speculate: int = 0,
     draft_context: Sequence[int] = (),
+    grammar: Grammar | None = None,
 ) -> Generation:
     """Like :func:`generate`, as an iterator of :class:`Chunk` s (``for c in stream(...): print(c.text)``).
 
     Arguments are checked here, before the first step; prefill runs on the first ``next()``.
     """
     return Generation(session, prompt, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-                      decode_text=decode_text, inputs=inputs, speculate=speculate, draft_context=draft_context)
+                      decode_text=decode_text, inputs=inputs, speculate=speculate, draft_context=draft_context,
+                      grammar=grammar)
 
 
 def generate(
@@ -426,6 +458,7 @@ def generate(
     on_text: Callable[[str], None] | None = None,
     inputs: Mapping[str, torch.Tensor] | None = None,
     speculate: int = 0,
+    grammar: Grammar | None = None,
 ) -> GenerationResult:
     """Prefill ``prompt`` (batch 1) and decode until EOS, ``max_new_tokens`` or the cache is full.
 
@@ -433,9 +466,12 @@ def generate(
     ``on_text(delta)`` is called with each new piece of text (needs ``decode_text``); :func:`stream` is the
     same generation as an iterator. ``speculate=k``: prompt-lookup speculative decoding with up to k draft
     tokens per call (``runtime.speculate``; the artifact exported with ``prefill_logits="all"``).
+    ``grammar``: structured output (``runtime.grammar``): every token sampled keeps the output within the
+    constraint (a JSON schema, regex or grammar; ``artifact.grammar(kvtrace.Constraint.json_schema(...))``); the
+    generation ends when the constraint is complete (stop reason "grammar") or at a stop id it allows.
     """
     g = stream(session, prompt, max_new_tokens=max_new_tokens, sampling=sampling, eos_ids=eos_ids,
-               decode_text=decode_text, inputs=inputs, speculate=speculate)
+               decode_text=decode_text, inputs=inputs, speculate=speculate, grammar=grammar)
     for chunk in g:
         if chunk.text and on_text is not None:
             on_text(chunk.text)

@@ -57,7 +57,8 @@ from typing import Any
 import torch
 
 from kvtrace._errors import CacheOverflowError, UsageError
-from kvtrace.runtime.generate import Penalties, Sampling, _TextStream, sample
+from kvtrace.runtime.generate import Penalties, Sampling, _checked_grammar, _TextStream, sample
+from kvtrace.runtime.grammar import Grammar
 from kvtrace.runtime.prefix import reusable
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import ProgramSpec
@@ -77,10 +78,11 @@ class FinishReason(enum.StrEnum):
     MAX_TOKENS = "max_tokens"
     MAX_SEQ_LEN = "max_seq_len"  # the slot's cache is full
     CANCELLED = "cancelled"  # ``cancel`` (e.g. the client went away)
+    GRAMMAR = "grammar"  # the request's constraint is complete (structured output): nothing more may follow
 
     @property
     def openai(self) -> str:
-        return "stop" if self in (FinishReason.EOS, FinishReason.STOP) else "length"
+        return "stop" if self in (FinishReason.EOS, FinishReason.STOP, FinishReason.GRAMMAR) else "length"
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,8 @@ class SlotRequest:
     cache is full), per-request ``sampling`` (temperature, top_k, top_p, seed), ``stop_ids`` (e.g. the
     artifact's eos ids; the id itself is not output) and ``stop`` strings (the text ends before the first).
     ``logprobs``: None, or k in [0, MAX_TOP_LOGPROBS]: every event of a token carries its log-probability and
-    the k most likely tokens' (``TokenLogprobs``)."""
+    the k most likely tokens' (``TokenLogprobs``). ``grammar``: structured output (``runtime.grammar``; bound with
+    stop ids among ``stop_ids``): every token keeps the output within it; the request ends when it is complete."""
 
     prompt: Sequence[int]
     max_tokens: int | None = None
@@ -97,6 +100,7 @@ class SlotRequest:
     stop_ids: Sequence[int] = ()
     stop: Sequence[str] = ()
     logprobs: int | None = None
+    grammar: Grammar | None = None
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,9 @@ class _Active:
         self.limit = limit  # at most this many new tokens (max_tokens, or what the cache leaves)
         self.gen = torch.Generator().manual_seed(s.seed) if s.seed is not None else None
         self.penalties = Penalties(s, request.prompt) if s.penalized else None
-        self.greedy = s.temperature == 0 and self.penalties is None  # a plain argmax, batched over such rows
+        self.grammar = request.grammar.start() if request.grammar is not None else None
+        # a plain argmax, batched over such rows
+        self.greedy = s.temperature == 0 and self.penalties is None and self.grammar is None
         self.stop_ids = frozenset(request.stop_ids)
         self.position = cached  # tokens in this slot's cache row (while prefilling: the prompt tokens in it; it
         # starts at the prefix the row already held, prefix cache)
@@ -292,6 +298,7 @@ class SlotEngine:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise UsageError(f"logprobs must be None or a whole number of alternatives in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {k!r}")
+        _checked_grammar(request.grammar, request.stop_ids)
         return m if m is not None else limit - n
 
     def admit(self, request: SlotRequest) -> tuple[int, SlotEvent | None]:
@@ -418,7 +425,7 @@ class SlotEngine:
         with torch.inference_mode():
             for i, a in enumerate(acts):
                 if not a.greedy:
-                    picked[i] = int(sample(logits[i : i + 1], a.request.sampling, a.gen, a.penalties))
+                    picked[i] = int(sample(logits[i : i + 1], a.request.sampling, a.gen, a.penalties, a.grammar))
         events = []
         for i, (slot, a) in enumerate(zip(rows, acts, strict=True)):
             k = a.request.logprobs
@@ -440,6 +447,8 @@ class SlotEngine:
             if cut is not None:
                 a.text = a.text[:cut]
                 finish = FinishReason.STOP
+        if finish is None and a.grammar is not None and a.grammar.done:
+            finish = FinishReason.GRAMMAR
         if finish is None and len(a.tokens) >= a.limit:
             finish = FinishReason.MAX_TOKENS if a.request.max_tokens is not None else FinishReason.MAX_SEQ_LEN
         if finish is None and a.position >= self.max_seq_len:

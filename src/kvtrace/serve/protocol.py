@@ -28,13 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtrace._errors import KvtraceError, UsageError
+from kvtrace._errors import KvtraceError, UnsupportedError, UsageError
 from kvtrace.runtime.generate import MAX_PENALTY, Sampling
+from kvtrace.runtime.grammar import Constraint, Grammar
 from kvtrace.runtime.slots import MAX_TOP_LOGPROBS, FinishReason, SlotRequest, TokenLogprobs
 
 __all__ = ["MAX_STOP", "ApiError", "Prompted", "Renderer", "chat_request", "completion_request", "error_body"]
 
 MAX_STOP = 4  # OpenAI's bound on stop sequences
+GRAMMAR_CACHE = 64  # compiled response formats a server keeps (each ~1 ms to compile, a few KiB)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the legacy completions endpoint's documented default
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -147,6 +149,28 @@ class Renderer:
                  temperature: float = 0.0):
         self.tokenizer, self.template, self.bos_id, self.eos_ids = tokenizer, template, bos_id, tuple(eos_ids)
         self.temperature = temperature  # when a request gives none: the artifact's generation default
+        self._grammars: dict[tuple[Constraint, tuple[int, ...]], Grammar] = {}  # the last GRAMMAR_CACHE compiled
+        self._tokenizer_json: str | None = None
+
+    def grammar(self, constraint: Constraint, stop_ids: Sequence[int]) -> Grammar:
+        """``constraint`` compiled for the tokenizer (kept: clients repeat their schemas); an ApiError if it is bad."""
+        from kvtrace.runtime.grammar import Grammar
+
+        key = (constraint, tuple(stop_ids))
+        if key in self._grammars:
+            return self._grammars[key]
+        if self._tokenizer_json is None:
+            self._tokenizer_json = self.tokenizer.to_str()
+        try:
+            grammar = Grammar(constraint, self._tokenizer_json, stop_ids)
+        except UnsupportedError as e:
+            raise ApiError(f"response_format: {e}", param="response_format", code="unsupported_parameter") from None
+        except UsageError as e:
+            raise ApiError(f"response_format: {e}", param="response_format") from None
+        while len(self._grammars) >= GRAMMAR_CACHE:
+            self._grammars.pop(next(iter(self._grammars)))
+        self._grammars[key] = grammar
+        return grammar
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         from kvtrace.sources.chat import apply_chat_template
@@ -265,9 +289,46 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
                         top_p=top_p, seed=None if seed is None else seed % 2**63,
                         repetition_penalty=1.0 if repetition is None else repetition, **penalties)
     stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
+    constraint = _response_format(body)
+    grammar = renderer.grammar(constraint, stop_ids) if constraint is not None else None
     req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body),
-                      logprobs=logprobs)
+                      logprobs=logprobs, grammar=grammar)
     return req, stream, include_usage
+
+
+def _response_format(body: dict[str, Any]) -> Constraint | None:
+    """OpenAI's ``response_format`` -> a Constraint (None: text). ``{"type": "json_object"}``: any JSON object;
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}``: JSON valid under ``schema`` (strict
+    or not: kvtrace always enforces it). Also on /v1/completions, as vLLM accepts it."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kinds = ["text", "json_object", "json_schema"]
+    if not isinstance(fmt, dict) or fmt.get("type") not in kinds:
+        got = fmt.get("type") if isinstance(fmt, dict) else fmt
+        raise ApiError(f"response_format must be an object whose type is one of {kinds}, got {_short(got)}",
+                       param="response_format")
+    if fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return Constraint.json_object()
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict):
+        raise ApiError(f"response_format.json_schema must be an object {{name, schema, strict}}, got {_short(spec)}",
+                       param="response_format.json_schema")
+    name, schema = spec.get("name"), spec.get("schema")
+    if name is not None and not isinstance(name, str):
+        raise ApiError(f"response_format.json_schema.name must be a string, got {_short(name)}",
+                       param="response_format.json_schema.name")
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise ApiError(f"response_format.json_schema.strict must be true or false, got {_short(spec['strict'])}",
+                       param="response_format.json_schema.strict")
+    if schema is None:
+        return Constraint.json_schema({})  # no schema: any JSON value
+    if not isinstance(schema, (dict, bool)):
+        raise ApiError(f"response_format.json_schema.schema must be a JSON schema object, got {_short(schema)}",
+                       param="response_format.json_schema.schema")
+    return Constraint.json_schema(schema)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -284,10 +345,7 @@ def chat_request(body: dict[str, Any], renderer: Renderer, model: str) -> Prompt
     """A /v1/chat/completions body -> the request to run (no temperature: the artifact's default, greedy for
     kvtrace's exports, so an unadorned request answers as ``kvtrace run`` does)."""
     _refuse_unsupported(body, _UNSUPPORTED_CHAT)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise ApiError(f"response_format={_short(fmt)} is not supported by kvtrace serve (text only)",
-                       param="response_format", code="unsupported_parameter")
+    _response_format(body)  # a malformed one: refused before the prompt is rendered
     messages = _messages(body)
     _validate_scalars(body)
     ids = renderer.chat(messages)
