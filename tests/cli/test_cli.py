@@ -107,6 +107,25 @@ def test_run_applies_the_penalty_flags(artifact, capsys):
     assert got["tokens"] == want and want != answer(), "the penalties change this answer"
 
 
+def test_run_applies_logit_bias(artifact, capsys):
+    """--logit-bias ID:BIAS (repeatable) bans and favours tokens as Sampling(logit_bias=...) does."""
+    args = ["run", str(artifact), "--prompt", "hello", "--max-len", "12", "--raw", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)["tokens"]
+    assert main([*args, "--logit-bias", f"{plain[0]}:-100", "--logit-bias", "2:-100"]) == 0  # no eos either
+    out = json.loads(capsys.readouterr().out)
+    got = out["tokens"]
+    assert plain[0] not in got and 2 not in got and len(got) == 12 - out["prompt_tokens"]  # to --max-len: no eos
+    assert main([*args, "--logit-bias", "7:100"]) == 0
+    assert set(json.loads(capsys.readouterr().out)["tokens"]) == {7}
+    for bad, words in [("7", "expected ID:BIAS"), ("7:101", "expected ID:BIAS"), ("x:1", "expected ID:BIAS")]:
+        with pytest.raises(SystemExit):
+            main([*args, "--logit-bias", bad])
+        assert words in capsys.readouterr().err
+    assert main([*args, "--logit-bias", "3:1", "--logit-bias", "3:2"]) == 2
+    assert "names a token id twice" in capsys.readouterr().err
+
+
 def test_run_is_deterministic_with_seed(artifact, capsys):
     args = ["run", str(artifact), "--prompt", "hello", "--max-len", "16", "--raw", "--json",
             "--temperature", "1.0", "--top-k", "5", "--seed", "3"]

@@ -77,10 +77,28 @@ def test_sampling_is_seeded_and_filters():
 @pytest.mark.parametrize("kwargs", [{"temperature": -1}, {"temperature": float("nan")}, {"temperature": float("inf")},
                                     {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": float("nan")},
                                     {"repetition_penalty": 0.0}, {"repetition_penalty": float("inf")},
-                                    {"presence_penalty": 2.5}, {"frequency_penalty": float("nan")}])
+                                    {"presence_penalty": 2.5}, {"frequency_penalty": float("nan")},
+                                    {"logit_bias": {1: 101}}, {"logit_bias": {-1: 0}}, {"logit_bias": {"1": 0}},
+                                    {"logit_bias": {1: float("nan")}}, {"logit_bias": ((1, 2.0), (1, 3.0))},
+                                    {"logit_bias": 5}, {"logit_bias": ((1,),)}, {"logit_bias": {True: 1}}])
 def test_bad_sampling_settings(kwargs):
     with pytest.raises(UsageError):
         Sampling(**kwargs)
+
+
+def test_logit_bias_bans_and_favours_tokens_greedy_and_sampled():
+    s = _session(lambda t: t + 1)  # 1 -> 2 -> 3 ...; each next token 10, the others -10
+    assert generate(s, [1], max_new_tokens=3).tokens == [2, 3, 4]
+    s.reset()
+    banned = Sampling(logit_bias={3: -100, 5: 30})  # 3 never; 5 (-10 + 30 = 20) beats the favourite (10)
+    assert generate(s, [1], max_new_tokens=3, sampling=banned).tokens == [5, 5, 5]
+    assert banned.logit_bias == ((3, -100.0), (5, 30.0))  # kept as sorted pairs: frozen, hashable
+    assert Sampling(logit_bias=[(5, 30), (3, -100)]) == banned
+    draws = {int(sample(torch.zeros(1, V), Sampling(temperature=1.0, logit_bias={7: 100}), torch.Generator()
+                        .manual_seed(i))) for i in range(20)}
+    assert draws == {7}
+    with pytest.raises(UsageError, match=r"token id 16, outside the model's vocabulary \[0, 16\)"):
+        sample(torch.zeros(1, V), Sampling(logit_bias={16: 1}), None)
 
 
 def test_penalties_reshape_the_logits_by_what_the_generation_holds():

@@ -230,6 +230,22 @@ def test_penalties_over_http_equal_a_solo_run(server, client):
         assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
 
 
+def test_logit_bias_over_http_equals_a_solo_run(server, client):
+    msgs = [{"role": "user", "content": "cat"}]
+    plain = server.solo_text(server.chat_ids(msgs), 12)[0]
+    ban = {server.solo.tokenizer().token_to_id(w): -100 for w in plain.split()[:2]}  # its first two words, banned
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=12, temperature=0,
+                                       logit_bias={str(k): v for k, v in ban.items()})
+    want = server.solo_text(server.chat_ids(msgs), 12, Sampling(logit_bias=ban))[0]
+    assert r.choices[0].message.content == want != plain
+    assert not set(want.split()) & set(plain.split()[:2])
+    for bias, words in [([1], "logit_bias must be an object"), ({"x": 1}, "keys are token ids"),
+                        ({"3": 101}, "logit_bias[3] must be a number in [-100, 100]"),
+                        ({"3": "a"}, "must be a number"), ({"99": 1}, "token id 99, outside the vocabulary [0, 8)")]:
+        bad = httpx.post(server.url + "/v1/chat/completions", json={"messages": msgs, "logit_bias": bias})
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
+
+
 def test_models_health_and_metrics(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [server.art.manifest.model_name]

@@ -44,7 +44,7 @@ FIELDS = {
     "repetition_penalty": st.one_of(st.floats(-1, 3), JSON),
     "model": st.one_of(st.text(max_size=8), JSON),
     "logprobs": st.one_of(st.booleans(), st.integers(-1, 7), JSON), "top_logprobs": st.one_of(st.integers(-1, 22), JSON),
-    "tools": JSON, "response_format": JSON, "echo": JSON, "ignore_eos": JSON,
+    "tools": JSON, "response_format": JSON, "echo": JSON, "ignore_eos": JSON, "logit_bias": JSON,
     "unknown_field": JSON,
 }
 GOOD_MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),

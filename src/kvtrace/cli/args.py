@@ -208,6 +208,19 @@ def positive_number(text: str) -> float:
     return v
 
 
+def logit_bias(text: str) -> tuple[int, float]:
+    """``ID:BIAS`` -> (token id, bias in [-100, 100])."""
+    tok, sep, b = text.partition(":")
+    try:
+        pair = (int(tok), float(b)) if sep else None
+    except ValueError:
+        pair = None
+    if pair is None or pair[0] < 0 or not -100 <= pair[1] <= 100:
+        raise argparse.ArgumentTypeError(f"expected ID:BIAS (a token id >= 0 and a bias in [-100, 100], e.g. "
+                                         f"2:-100 to ban token 2), got {text!r}")
+    return pair
+
+
 def sampling_knobs(p: argparse.ArgumentParser) -> None:
     """Sampling's options (``sampling_of`` reads them back)."""
     p.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy (default)")
@@ -222,14 +235,21 @@ def sampling_knobs(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=penalty, default=0.0, metavar="F",
                    help="subtract F times the number of times a token is already in the answer (OpenAI's; [-2, 2], "
                         "default 0)")
+    p.add_argument("--logit-bias", type=logit_bias, action="append", default=[], metavar="ID:BIAS",
+                   help="add BIAS (in [-100, 100]; -100 bans the token) to token ID's logit before sampling "
+                        "(OpenAI's logit_bias); repeat for more tokens")
 
 
 def sampling_of(args: argparse.Namespace) -> Any:
     """The ``Sampling`` that ``sampling_knobs``' options ask for."""
     from kvtrace.runtime.generate import Sampling
 
+    bias = getattr(args, "logit_bias", [])
+    if len({t for t, _ in bias}) != len(bias):
+        raise UsageError(f"--logit-bias names a token id twice ({[t for t, _ in bias]}); give each token one bias")
     return Sampling(args.temperature, args.top_k, args.top_p, args.seed, repetition_penalty=args.repetition_penalty,
-                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                    logit_bias=tuple(bias))
 
 
 def speculate_arg(p: argparse.ArgumentParser, builds: bool) -> None:

@@ -22,6 +22,7 @@ __all__ = ["Chunk", "Generation", "GenerationResult", "GenerationStats", "Penalt
            "stream"]
 
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's bounds)
+MAX_LOGIT_BIAS = 100.0  # a logit bias lies in [-100, 100] (OpenAI's bounds: -100 bans a token, 100 all but forces it)
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,10 @@ class Sampling:
     (``Penalties``): ``repetition_penalty`` r (HF's and llama.cpp's; 1 = off) divides the logit of every token
     already in the prompt or the output by r where it is positive and multiplies it by r where it is negative;
     ``presence_penalty`` p and ``frequency_penalty`` f (OpenAI's, in [-2, 2]) subtract p from the logit of every
-    token already in the output and f times the number of times it is there."""
+    token already in the output and f times the number of times it is there.
+
+    ``logit_bias`` ((token id, bias), ...; OpenAI's, bias in [-100, 100]) adds each bias to its token's logit
+    after the penalties (-100 in effect bans the token)."""
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -41,6 +45,7 @@ class Sampling:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -55,6 +60,21 @@ class Sampling:
             v = getattr(self, name)
             if not -MAX_PENALTY <= v <= MAX_PENALTY:  # NaN fails this too
                 raise UsageError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 = off), got {v}")
+        bias = self.logit_bias
+        if not isinstance(bias, (Mapping, tuple, list)):
+            raise UsageError(f"logit_bias maps token ids to biases ({{id: bias}} or ((id, bias), ...)); got {bias!r}")
+        pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
+        for pair in pairs:
+            tok, b = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
+            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                raise UsageError(f"logit_bias maps token ids (whole numbers >= 0) to biases; got {pair!r}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise UsageError(f"the logit bias of token {tok} must be a number in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {b!r}")
+        # kept as pairs sorted by id (frozen, hashable; the largest id last)
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise UsageError("logit_bias names a token id twice; give each token one bias")
 
     @property
     def penalized(self) -> bool:
@@ -145,20 +165,32 @@ class GenerationResult:
 def sample(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None,
            penalties: Penalties | None = None, grammar: GrammarState | None = None) -> torch.Tensor:
     """logits [B, V] -> next token ids [B, 1]; ``penalties`` (needed where ``s.penalized``) first reshape them,
-    then ``grammar`` (structured output, batch 1) forbids what its constraint does not
+    then ``s.logit_bias``, then ``grammar`` (structured output, batch 1) forbids what its constraint does not
     allow next; both then count the token sampled (``Penalties.add``, ``GrammarState.advance``: the one place a
     generation's penalty and grammar states advance)."""
     if s.penalized and penalties is None:
         raise UsageError("this Sampling has penalties; pass the generation's Penalties to sample")
-    if not s.penalized and grammar is None:
+    if not s.penalized and not s.logit_bias and grammar is None:
         return _pick(logits, s, gen)
     x = penalties.apply(logits) if s.penalized else logits
+    if s.logit_bias:
+        x = _biased(x, s.logit_bias)
     tok = _pick(grammar.mask(x) if grammar is not None else x, s, gen)
     if s.penalized:
         penalties.add(tok)
     if grammar is not None:
         grammar.advance(int(tok))
     return tok
+
+
+def _biased(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """logits [B, V] + each (token, bias) of ``bias`` -> float32 logits [B, V]."""
+    v = logits.shape[-1]
+    if bias[-1][0] >= v:  # sorted by id: the last is the largest
+        raise UsageError(f"logit_bias names token id {bias[-1][0]}, outside the model's vocabulary [0, {v})")
+    ids = torch.tensor([t for t, _ in bias], device=logits.device)  # [N]
+    add = torch.tensor([b for _, b in bias], dtype=torch.float32, device=logits.device)  # [N]
+    return logits.float().index_add(-1, ids, add.expand(logits.shape[0], -1))
 
 
 def _pick(logits: torch.Tensor, s: Sampling, gen: torch.Generator | None) -> torch.Tensor:

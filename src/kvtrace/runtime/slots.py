@@ -140,7 +140,7 @@ class _Active:
         self.penalties = Penalties(s, request.prompt) if s.penalized else None
         self.grammar = request.grammar.start() if request.grammar is not None else None
         # a plain argmax, batched over such rows
-        self.greedy = s.temperature == 0 and self.penalties is None and self.grammar is None
+        self.greedy = s.temperature == 0 and self.penalties is None and self.grammar is None and not s.logit_bias
         self.stop_ids = frozenset(request.stop_ids)
         self.position = cached  # tokens in this slot's cache row (while prefilling: the prompt tokens in it; it
         # starts at the prefix the row already held, prefix cache)
@@ -289,6 +289,9 @@ class SlotEngine:
                     f"max_seq_len={limit} tokens. Lower max_tokens to at most {limit - n} or shorten the prompt")
         if not isinstance(request.sampling, Sampling):
             raise UsageError(f"sampling must be a kvtrace.Sampling, got {type(request.sampling).__name__}")
+        bias = request.sampling.logit_bias
+        if bias and self._vocab is not None and bias[-1][0] >= self._vocab:  # sorted: the largest id last
+            raise UsageError(f"logit_bias names token id {bias[-1][0]}, outside the vocabulary [0, {self._vocab})")
         stops = request.stop
         if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
             raise UsageError(f"stop must be a list of non-empty strings, got {stops!r}")

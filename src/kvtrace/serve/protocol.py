@@ -3,8 +3,8 @@
 Every malformed body is an ``ApiError`` (HTTP 4xx, in OpenAI's error shape ``{"error": {"message",
 "type", "param", "code"}}``) naming the field, what it must be and what was found. Known fields must have
 their documented types; unknown fields are ignored (as vLLM and llama.cpp do, so clients sending newer
-parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, ``logit_bias``,
-``echo``, ...) are refused by name rather than silently ignored. Three extensions other servers share:
+parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, ``echo``, ...) are
+refused by name rather than silently ignored. Three extensions other servers share:
 ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
 ``presence_penalty`` / ``frequency_penalty`` (OpenAI's) and ``repetition_penalty`` are ``Sampling``'s.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtrace._errors import KvtraceError, UnsupportedError, UsageError
-from kvtrace.runtime.generate import MAX_PENALTY, Sampling
+from kvtrace.runtime.generate import MAX_LOGIT_BIAS, MAX_PENALTY, Sampling
 from kvtrace.runtime.grammar import Constraint, Grammar
 from kvtrace.runtime.slots import MAX_TOP_LOGPROBS, FinishReason, SlotRequest, TokenLogprobs
 
@@ -123,7 +123,7 @@ def _refuse_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
                        code="unsupported_parameter")
 
 
-_UNSUPPORTED_COMMON = {"n": 1, "logit_bias": {}, "best_of": 1}
+_UNSUPPORTED_COMMON = {"n": 1, "best_of": 1}
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound on ``logprobs``
 _UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": [], "functions": [], "tool_choice": "none",
                      "audio": {}, "prediction": {}, "modalities": (["text"],), "parallel_tool_calls": (True, False)}
@@ -287,13 +287,32 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
     repetition = _number(body, "repetition_penalty", 0.0, math.inf, lo_open=True)  # vLLM's and llama.cpp's
     sampling = Sampling(temperature=renderer.temperature if temperature is None else temperature, top_k=top_k,
                         top_p=top_p, seed=None if seed is None else seed % 2**63,
-                        repetition_penalty=1.0 if repetition is None else repetition, **penalties)
+                        repetition_penalty=1.0 if repetition is None else repetition, logit_bias=_logit_bias(body),
+                        **penalties)
     stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
     constraint = _response_format(body)
     grammar = renderer.grammar(constraint, stop_ids) if constraint is not None else None
     req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body),
                       logprobs=logprobs, grammar=grammar)
     return req, stream, include_usage
+
+
+def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: {"token id": bias in [-100, 100]} (ids as JSON object keys, so strings)."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise ApiError(f"logit_bias must be an object mapping token ids to biases, got {_short(v)}", param="logit_bias")
+    out = {}
+    for key, b in v.items():
+        if not (isinstance(key, str) and key.isdigit() and key.isascii()):
+            raise ApiError(f"logit_bias keys are token ids (e.g. \"50256\"), got {_short(key)}", param="logit_bias")
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+            raise ApiError(f"logit_bias[{key}] must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                           f"got {_short(b)}", param="logit_bias")
+        out[int(key)] = float(b)
+    return out
 
 
 def _response_format(body: dict[str, Any]) -> Constraint | None:
