@@ -22,9 +22,9 @@ SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "person", "schem
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     d = tmp_path_factory.mktemp("serve_grammar")
-    make_byte_hf_dir(d)
-    kvtrace.export(str(d), d / "solo.kvt", max_seq_len=192, backend="exported")
-    kvtrace.export(str(d), d / "slots.kvt", max_seq_len=192, backend="exported", slots=3)
+    make_byte_hf_dir(d, max_position_embeddings=1024)  # room for the tools' description (~500 byte-level tokens)
+    kvtrace.export(str(d), d / "solo.kvt", max_seq_len=1024, backend="exported")
+    kvtrace.export(str(d), d / "slots.kvt", max_seq_len=1024, backend="exported", slots=3)
     app = app_for(kvtrace.load(d / "slots.kvt"), max_queue=8)
     url, srv, thread = start_server(app)
     yield url, kvtrace.load(d / "solo.kvt")
@@ -95,3 +95,86 @@ def test_malformed_response_formats_are_400s_naming_the_field(served, fmt, param
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert words in err["message"] and err["param"] == param, err
+
+
+# --- tool calling (serve.tools): answers held to the tool-call JSON, read back into OpenAI's shapes ---------------
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "unit": {"enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "the weather in the cat city?"}]
+
+
+def _check_call(call, names=("get_weather", "get_time")) -> dict:
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(args) == {"city", "unit"} and len(args["city"]) <= 12 and args["unit"] in ("c", "f")
+    else:
+        assert args["zone"] in ("utc", "cet")
+    return args
+
+
+def test_a_required_tool_call_is_returned_as_tool_calls_streaming_and_not(served, client):
+    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=120, tools=[WEATHER, TIME],
+                                       tool_choice="required", parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert len(choice.message.tool_calls) == 1
+    args = _check_call(choice.message.tool_calls[0])
+    chunks = list(client.chat.completions.create(model="m", messages=ASK, max_tokens=120, tools=[WEATHER, TIME],
+                                                 tool_choice="required", parallel_tool_calls=False, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert len(deltas) == 1 and chunks[-1].choices[0].finish_reason == "tool_calls"
+    streamed = deltas[0].tool_calls[0]
+    assert streamed.index == 0 and streamed.function.name == choice.message.tool_calls[0].function.name
+    assert json.loads(streamed.function.arguments) == args  # greedy: the same call
+
+
+def test_a_named_tool_is_the_one_called_and_its_result_continues_the_conversation(served, client):
+    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=120, tools=[WEATHER, TIME],
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    call = r.choices[0].message.tool_calls[0]
+    _check_call(call, names=("get_time",))
+    follow = [*ASK, r.choices[0].message.model_dump(exclude_none=True),
+              {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    r2 = client.chat.completions.create(model="m", messages=follow, max_tokens=60, tools=[WEATHER, TIME],
+                                        tool_choice="none")
+    assert r2.choices[0].message.tool_calls is None and isinstance(r2.choices[0].message.content, str)
+
+
+def test_auto_answers_either_call_tools_or_reply(served, client):
+    kinds = set()
+    for seed in range(6):
+        r = client.chat.completions.create(model="m", messages=ASK, max_tokens=150, tools=[WEATHER, TIME],
+                                           temperature=1.0, seed=seed)
+        choice = r.choices[0]
+        if choice.message.tool_calls:
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            for call in choice.message.tool_calls:
+                _check_call(call)
+            kinds.add("calls")
+        elif choice.finish_reason == "stop":
+            assert isinstance(choice.message.content, str) and not choice.message.content.startswith('{"response"')
+            kinds.add("reply")
+        else:  # cut short by max_tokens: the raw JSON so far, finish_reason length
+            assert choice.finish_reason == "length" and choice.message.content.startswith("{")
+    assert kinds, "no answer finished in 150 tokens"
+
+
+@pytest.mark.parametrize(("extra", "param", "words"), [
+    ({"response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
+    ({"logprobs": True}, "logprobs", "logprobs with tools is not supported"),
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice", "not among tools"),
+    ({"functions": [{"name": "f"}]}, "functions", "not supported"),
+    ({"stop": ["\n"]}, "stop", "stop with tools is not supported"),
+])
+def test_tools_refusals_are_400s_naming_the_field(served, extra, param, words):
+    r = httpx.post(served[0] + "/v1/chat/completions", json={"messages": ASK, "tools": [WEATHER], **extra})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["param"] == param, err

@@ -30,6 +30,7 @@ from kvtrace.runtime.slots import SlotEngine, SlotEvent
 from kvtrace.serve import protocol
 from kvtrace.serve.metrics import Metrics
 from kvtrace.serve.protocol import ApiError, Prompted, Renderer
+from kvtrace.serve.tools import read_answer
 from kvtrace.serve.worker import Done, Job, QueueFull, Worker
 
 __all__ = ["MAX_BODY_BYTES", "ServeConfig", "make_app", "serve"]
@@ -152,9 +153,14 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
                     return _json(499, protocol.error_body("the client disconnected"))
                 if done.error:
                     return _json(500, protocol.error_body(done.error, type_="server_error"))
+                text = "".join(parts)
+                if prompted.tools is not None:  # the answer is tool-call JSON: read it back
+                    content, calls = read_answer(text)
+                    return _json(200, protocol.chat_response(rid, prompted.model, content, done.finish, _usage(done),
+                                                             tool_calls=calls))
                 build = protocol.chat_response if chat else protocol.completion_response
                 lp = logprobs_of(scored, chat) if prompted.request.logprobs is not None else None
-                return _json(200, build(rid, prompted.model, "".join(parts), done.finish, _usage(done), lp))
+                return _json(200, build(rid, prompted.model, text, done.finish, _usage(done), lp))
         except asyncio.CancelledError:
             job.cancel()
             worker.wake()
@@ -182,6 +188,7 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
             return protocol.sse(protocol.chat_chunk(rid, model, created, {"content": text}, logprobs_=lp) if chat
                                 else protocol.completion_chunk(rid, model, created, text, logprobs_=lp))
 
+        held: list[str] | None = [] if prompted.tools is not None else None  # tool-call JSON: read back at the end
         try:
             if chat:
                 yield protocol.sse(protocol.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}))
@@ -190,7 +197,9 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
                 if isinstance(item, SlotEvent):
                     if item.logprobs is not None:
                         pending.append(score(item.token, item.logprobs))
-                    if item.text:
+                    if held is not None:
+                        held.append(item.text)
+                    elif item.text:
                         yield chunk(item.text)
                     continue
                 done: Done = item
@@ -201,6 +210,12 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
                 if pending:  # scored tokens whose text never came (held back, then cut by a stop string)
                     yield chunk("")
                 reason = protocol.finish_reason(done.finish)
+                if held is not None:  # one delta: the calls, or the answer's text
+                    content, calls = read_answer("".join(held))
+                    delta = ({"tool_calls": [c.openai(i) for i, c in enumerate(calls)]} if calls
+                             else {"content": content})
+                    reason = "tool_calls" if calls else reason
+                    yield protocol.sse(protocol.chat_chunk(rid, model, created, delta))
                 yield protocol.sse(protocol.chat_chunk(rid, model, created, {}, reason) if chat
                                    else protocol.completion_chunk(rid, model, created, "", reason))
                 if prompted.include_usage:

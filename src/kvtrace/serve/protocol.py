@@ -3,8 +3,8 @@
 Every malformed body is an ``ApiError`` (HTTP 4xx, in OpenAI's error shape ``{"error": {"message",
 "type", "param", "code"}}``) naming the field, what it must be and what was found. Known fields must have
 their documented types; unknown fields are ignored (as vLLM and llama.cpp do, so clients sending newer
-parameters keep working); known parameters kvtrace does not implement (``n`` > 1, tools, ``echo``, ...) are
-refused by name rather than silently ignored. Three extensions other servers share:
+parameters keep working); known parameters kvtrace does not implement (``n`` > 1, the legacy ``functions``,
+``echo``, ...) are refused by name rather than silently ignored. ``tools`` / ``tool_choice``: ``serve.tools``. Three extensions other servers share:
 ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
 ``presence_penalty`` / ``frequency_penalty`` (OpenAI's) and ``repetition_penalty`` are ``Sampling``'s.
 
@@ -32,6 +32,7 @@ from kvtrace._errors import KvtraceError, UnsupportedError, UsageError
 from kvtrace.runtime.generate import MAX_LOGIT_BIAS, MAX_PENALTY, Sampling
 from kvtrace.runtime.grammar import Constraint, Grammar
 from kvtrace.runtime.slots import MAX_TOP_LOGPROBS, FinishReason, SlotRequest, TokenLogprobs
+from kvtrace.serve.tools import ToolCall, Tools, assistant_calls, parse_tools, render_history
 
 __all__ = ["MAX_STOP", "ApiError", "Prompted", "Renderer", "chat_request", "completion_request", "error_body"]
 
@@ -125,8 +126,8 @@ def _refuse_unsupported(body: dict[str, Any], defaults: dict[str, Any]) -> None:
 
 _UNSUPPORTED_COMMON = {"n": 1, "best_of": 1}
 MAX_COMPLETION_LOGPROBS = 5  # the legacy completions endpoint's bound on ``logprobs``
-_UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "tools": [], "functions": [], "tool_choice": "none",
-                     "audio": {}, "prediction": {}, "modalities": (["text"],), "parallel_tool_calls": (True, False)}
+_UNSUPPORTED_CHAT = {**_UNSUPPORTED_COMMON, "functions": [], "function_call": "none", "audio": {}, "prediction": {},
+                     "modalities": (["text"],)}
 _UNSUPPORTED_COMPLETIONS = {**_UNSUPPORTED_COMMON, "echo": False, "suffix": ""}
 # A scored token for a response: its text, its logprob, and the top alternatives as (text, logprob)
 Scored = tuple[str, float, tuple[tuple[str, float], ...]]
@@ -140,6 +141,7 @@ class Prompted:
     stream: bool
     include_usage: bool
     model: str
+    tools: Tools | None = None  # tool calls may answer it (serve.tools): the answer is read back before it is sent
 
 
 class Renderer:
@@ -212,7 +214,7 @@ class Renderer:
         return score
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
+def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     msgs = body.get("messages")
     if msgs is None:
         raise ApiError("messages is required: a non-empty array of {role, content}", param="messages")
@@ -243,7 +245,16 @@ def _messages(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise ApiError(f"{where}.content must be a string or an array of text parts, got {_short(content)}",
                            param=f"{where}.content")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        msg: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["_calls"] = assistant_calls(m, where)  # rendered as the JSON an answer calls tools with
+        if role == "tool":
+            call_id = m.get("tool_call_id", "")
+            if not isinstance(call_id, str):
+                raise ApiError(f"{where}.tool_call_id must be a string, got {_short(call_id)}",
+                               param=f"{where}.tool_call_id")
+            msg["_call_id"] = call_id
+        out.append(msg)
     return out
 
 
@@ -260,7 +271,7 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
-            ids: list[int], logprobs: int | None) -> tuple[SlotRequest, bool, bool]:
+            ids: list[int], logprobs: int | None, tools: Tools | None = None) -> tuple[SlotRequest, bool, bool]:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise ApiError(f"model must be a string, got {_short(model)}", param="model")
@@ -291,6 +302,19 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
                         **penalties)
     stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
     constraint = _response_format(body)
+    if tools is not None:
+        if constraint is not None:
+            raise ApiError("response_format and tools cannot be combined: an answer that may call tools is held to "
+                           'the tool-call JSON; leave out one of them (or send tool_choice: "none")',
+                           param="response_format")
+        if logprobs is not None:
+            raise ApiError("logprobs with tools is not supported by kvtrace serve (the answer is read back from "
+                           "JSON); leave out one of them", param="logprobs", code="unsupported_parameter")
+        if _stop(body):
+            raise ApiError("stop with tools is not supported by kvtrace serve: a stop string could cut the tool-call "
+                           "JSON the answer is read back from; leave out one of them", param="stop",
+                           code="unsupported_parameter")
+        constraint = tools.constraint()
     grammar = renderer.grammar(constraint, stop_ids) if constraint is not None else None
     req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body),
                       logprobs=logprobs, grammar=grammar)
@@ -365,11 +389,12 @@ def chat_request(body: dict[str, Any], renderer: Renderer, model: str) -> Prompt
     kvtrace's exports, so an unadorned request answers as ``kvtrace run`` does)."""
     _refuse_unsupported(body, _UNSUPPORTED_CHAT)
     _response_format(body)  # a malformed one: refused before the prompt is rendered
+    tools = parse_tools(body)
     messages = _messages(body)
     _validate_scalars(body)
-    ids = renderer.chat(messages)
-    req, stream, usage = _common(body, None, renderer, ids, _chat_logprobs(body))
-    return Prompted(req, stream, usage, model)
+    ids = renderer.chat(render_history(messages, tools))
+    req, stream, usage = _common(body, None, renderer, ids, _chat_logprobs(body), tools)
+    return Prompted(req, stream, usage, model, tools)
 
 
 def completion_request(body: dict[str, Any], renderer: Renderer, model: str) -> Prompted:
@@ -443,11 +468,16 @@ def completion_logprobs(items: Sequence[Scored], offset: int = 0) -> dict[str, A
             "top_logprobs": [dict(top) for _, _, top in items], "text_offset": offsets}
 
 
-def chat_response(rid: str, model: str, text: str, finish: FinishReason | None,
-                  usage_: dict[str, Any], logprobs_: dict[str, Any] | None = None) -> dict[str, Any]:
+def chat_response(rid: str, model: str, text: str | None, finish: FinishReason | None,
+                  usage_: dict[str, Any], logprobs_: dict[str, Any] | None = None,
+                  tool_calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
+    """A chat completion; with ``tool_calls`` the message calls them (content null, finish_reason "tool_calls")."""
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if tool_calls:
+        message = {"role": "assistant", "content": None, "tool_calls": [c.openai() for c in tool_calls]}
     return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": logprobs_, "finish_reason": finish_reason(finish)}],
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs_,
+                         "finish_reason": "tool_calls" if tool_calls else finish_reason(finish)}],
             "usage": usage_, "system_fingerprint": None}
 
 
@@ -458,7 +488,7 @@ def completion_response(rid: str, model: str, text: str, finish: FinishReason | 
             "usage": usage_, "system_fingerprint": None}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict[str, str], finish: str | None = None,
+def chat_chunk(rid: str, model: str, created: int, delta: dict[str, Any], finish: str | None = None,
                usage_: dict[str, Any] | None = None, choices: bool = True,
                logprobs_: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
