@@ -23,8 +23,8 @@ TOK = byte_tokenizer()
 V = TOK.get_vocab_size() + 5  # a model's vocabulary is often padded past its tokenizer's
 
 
-def _session(seed: int = 0, max_seq_len: int = 256, eos_bias: float = 0.0, writes: tuple[int, list[int]] = (0, [])
-             ) -> Session:
+def _session(seed: int = 0, max_seq_len: int = 256, eos_bias: float = 0.0, writes: tuple[int, list[int]] = (0, []),
+             favour: tuple[int, float] = (0, 0.0)) -> Session:
     """A random 'model': logits depend on the last token and the position only (the same whatever the call's
     shape, so speculative and plain runs agree), wide enough that unconstrained output is noise. ``writes``
     (p, ids): it prefers to write ids from position p on."""
@@ -32,6 +32,7 @@ def _session(seed: int = 0, max_seq_len: int = 256, eos_bias: float = 0.0, write
     by_token = torch.randn(V, V, generator=g) * 4  # [V, V]
     by_pos = torch.randn(max_seq_len, V, generator=g)  # [S, V]
     by_token[:, EOS] += eos_bias
+    by_token[:, favour[0]] += favour[1]
     start, ids = writes
     for i, t in enumerate(ids):
         by_pos[start + i - 1, t] += 30.0  # the logits at position p - 1 predict the token at p
@@ -102,10 +103,18 @@ def test_the_stop_id_is_allowed_exactly_where_the_output_may_end():
 
 def test_a_complete_constraint_ends_the_generation_without_a_stop_id():
     grammar = Grammar(Constraint.regex(r"(yes|no)!"), TOK)  # no stop ids: ends when nothing more is allowed
-    s = _session(eos_bias=100.0)  # the model's favourite, 2, is llguidance's end-of-text guess too: never allowed
+    s = _session()
     res = generate(s, PROMPT, max_new_tokens=50, grammar=grammar)
     assert res.stats.stop_reason == "grammar" and _text(res.tokens) in ("yes!", "no!")
     assert s.position == len(PROMPT) + len(res.tokens) - 1  # as any stop: the last token is not fed
+
+
+def test_without_stop_ids_llguidances_own_end_token_is_never_sampled():
+    grammar = Grammar(Constraint.regex(r"[0-9]+"), TOK)  # complete after one digit, and open-ended
+    assert grammar._tok.eos_tokens == [0]  # llguidance's guess for this tokenizer: <|endoftext|>
+    res = generate(_session(favour=(0, 100.0)), PROMPT, max_new_tokens=10, grammar=grammar)  # the model wants 0
+    assert 0 not in res.tokens and re.fullmatch("[0-9]+", _text(res.tokens))
+    assert res.stats.stop_reason == "max_new_tokens" and len(res.tokens) == 10
 
 
 def test_max_new_tokens_cuts_a_constrained_answer_short():
@@ -117,13 +126,26 @@ def test_max_new_tokens_cuts_a_constrained_answer_short():
 
 def test_json_object_mode_gives_an_object():
     grammar = Grammar(Constraint.json_object(), TOK, eos_ids=[EOS])
-    for seed in range(3):
+    finished = 0
+    for seed in range(4):
         res = generate(_session(seed, eos_bias=6.0), PROMPT, max_new_tokens=200, eos_ids=[EOS], grammar=grammar,
                        sampling=Sampling(temperature=0.8, seed=seed))
         if res.stats.stop_reason in ("eos", "grammar"):
             assert isinstance(json.loads(_text(res.tokens)), dict)
+            finished += 1
         else:  # cut short: still the start of an object
             assert _text(res.tokens).lstrip().startswith("{")
+    assert finished, "no answer finished in 200 tokens: the check above never ran"
+
+
+def test_a_schemas_own_whitespace_options_replace_the_bounded_default():
+    compact = Grammar(Constraint.json_schema(PERSON), TOK, eos_ids=[EOS])  # x-guidance: whitespace_flexible false
+    loose = Grammar(Constraint.json_schema({k: v for k, v in PERSON.items() if k != "x-guidance"}), TOK, eos_ids=[EOS])
+    spaced = TOK.encode('{ "name"').ids
+    assert compact.start()._m.validate_tokens(spaced) < len(spaced)
+    assert loose.start()._m.validate_tokens(spaced) == len(spaced)
+    many = TOK.encode('{' + "\n" * 3 + '"name"').ids  # past the default's one line break
+    assert loose.start()._m.validate_tokens(many) < len(many)
 
 
 @pytest.mark.parametrize("k", [1, 4])
@@ -256,3 +278,41 @@ def test_constrained_requests_batched_with_plain_ones_answer_as_solo_runs(byte_a
     with pytest.raises(UsageError, match=r"stop ids \[2\]"):  # refused before a slot is touched
         eng.admit(SlotRequest(PROMPT, max_tokens=4, stop_ids=[], grammar=schema))
     assert not eng.active
+
+
+def test_a_request_whose_grammar_fails_ends_alone_and_frees_its_slot(byte_arts, monkeypatch):
+    """A grammar that allows no token (llguidance at a limit, a tokenizer that cannot spell it) fails its own request
+    only: the others in the batch go on, and the slot is freed and reset (never left behind)."""
+    from kvtrace.runtime.grammar import GrammarState
+    from kvtrace.runtime.slots import FinishReason, SlotRequest
+
+    solo, slots = byte_arts
+    real = GrammarState.mask
+
+    def failing(self, logits):  # "9+" fails at once (in admit), "8+" at its third token (in a step)
+        if self.grammar.constraint.text == "9+" or (self.grammar.constraint.text == "8+" and self.tokens == 2):
+            raise UsageError(f"the regex allows no token after {self.tokens} generated")
+        return real(self, logits)
+
+    monkeypatch.setattr(GrammarState, "mask", failing)
+    bad = solo.grammar(Constraint.regex("9+"))
+    plain_ids = TOK.encode("the cat sat").ids
+    want = generate(solo.session(), plain_ids, max_new_tokens=12, eos_ids=[EOS]).tokens
+    eng = slots.slot_engine()
+    s1, ev1 = eng.admit(SlotRequest(plain_ids, max_tokens=12, stop_ids=[EOS]))
+    s2, ev2 = eng.admit(SlotRequest(PROMPT, max_tokens=12, stop_ids=[EOS], grammar=bad))  # fails at its first token
+    assert ev2.finish is FinishReason.ERROR and "allows no token" in ev2.error and ev2.token is None
+    assert s2 in eng.free and eng.active == (s1,)
+    s3, ev3 = eng.admit(SlotRequest(PROMPT, max_tokens=12, stop_ids=[EOS], grammar=solo.grammar(Constraint.regex("8+"))))
+    assert ev3.finish is None and _text([ev3.token]) == "8"
+    got, third = [ev1.token], [ev3.token]
+    while eng.active:
+        for ev in eng.step():
+            if ev.slot == s3:
+                third.append(ev)
+            elif ev.token is not None:
+                got.append(ev.token)
+    assert got == want  # the plain request never noticed
+    assert [e.token for e in third[1:]] == [TOK.token_to_id("8"), None] and third[-1].finish is FinishReason.ERROR
+    assert "after 2 generated" in third[-1].error
+    assert eng.held(s2) == eng.held(s3) == ()  # reset, not kept for the prefix cache

@@ -61,14 +61,17 @@ def test_a_json_schema_answer_is_valid_and_equals_a_solo_constrained_run(served,
 
 
 def test_json_object_mode_on_chat_and_completions(served, client):
-    for seed in range(3):
+    finished = 0
+    for seed in range(4):
         r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "json please"}],
                                            max_tokens=150, temperature=1.0, seed=seed,
                                            response_format={"type": "json_object"})
         if r.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(r.choices[0].message.content), dict)
+            finished += 1
         else:
             assert r.choices[0].message.content.lstrip().startswith("{")
+    assert finished, "no answer finished within max_tokens: the check above never ran"
     r = httpx.post(served[0] + "/v1/completions", json={
         "prompt": "the cat", "max_tokens": 60, "response_format": {"type": "json_schema", "json_schema": {
             "name": "n", "schema": {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
@@ -87,6 +90,8 @@ def test_json_object_mode_on_chat_and_completions(served, client):
      "must be a string"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, "response_format",
      "invalid json schema"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": False}}, "response_format.json_schema.schema",
+     "no value is valid under"),
 ])
 def test_malformed_response_formats_are_400s_naming_the_field(served, fmt, param, words):
     for path, body in [("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
@@ -95,6 +100,9 @@ def test_malformed_response_formats_are_400s_naming_the_field(served, fmt, param
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert words in err["message"] and err["param"] == param, err
+    r = httpx.post(served[0] + "/v1/completions", json={"prompt": "hi", "response_format": {"type": "json_object"},
+                                                          "stop": ["\n"]})
+    assert r.status_code == 400 and "stop with response_format" in r.json()["error"]["message"]
 
 
 # --- tool calling (serve.tools): answers held to the tool-call JSON, read back into OpenAI's shapes ---------------
@@ -178,3 +186,24 @@ def test_tools_refusals_are_400s_naming_the_field(served, extra, param, words):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert words in err["message"] and err["param"] == param, err
+
+
+def test_a_request_whose_grammar_fails_gets_an_error_and_the_server_goes_on(served, client, monkeypatch):
+    from kvtrace._errors import UsageError
+    from kvtrace.runtime.grammar import GrammarState
+
+    def failing(self, logits):
+        raise UsageError("the json object allows no token after 0 generated")
+
+    monkeypatch.setattr(GrammarState, "mask", failing)
+    for stream in (False, True):
+        r = httpx.post(served[0] + "/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 8, "response_format": {"type": "json_object"}, "stream": stream})
+        body = r.text
+        assert ("generation failed: the json object allows no token" in body
+                and (r.status_code == 500 if not stream else '"server_error"' in body)), (r.status_code, body)
+    monkeypatch.undo()
+    health = httpx.get(served[0] + "/health").json()
+    assert health["active"] == 0 and health["queued"] == 0  # no slot left behind
+    r = client.chat.completions.create(model="m", messages=ASK, max_tokens=8)
+    assert r.choices[0].finish_reason in ("stop", "length")

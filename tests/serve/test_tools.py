@@ -66,7 +66,7 @@ def test_history_is_rendered_as_the_json_answers_are_written_in():
     msgs = _messages({"messages": [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Oslo and Rome?"},
-        {"role": "assistant", "content": None, "tool_calls": [call, {**call, "id": "call_2", "function": {
+        {"role": "assistant", "content": "Checking.", "tool_calls": [call, {**call, "id": "call_2", "function": {
             "name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"},
         {"role": "tool", "tool_call_id": "call_2", "content": "14 C"},
@@ -74,15 +74,18 @@ def test_history_is_rendered_as_the_json_answers_are_written_in():
     out = render_history(msgs, parse_tools({"tools": [WEATHER]}))
     assert [m["role"] for m in out] == ["system", "user", "assistant", "user"]  # results: one user turn
     assert out[0]["content"].startswith("Be brief.\n\nYou can call these tools") and "get_weather" in out[0]["content"]
-    assert json.loads(out[2]["content"]) == {"tool_calls": [{"name": "get_weather", "arguments": {"city": "Oslo"}},
-                                                            {"name": "get_weather", "arguments": {"city": "Rome"}}]}
+    said, calls = out[2]["content"].split("\n", 1)  # what the assistant said, then its calls (with their ids)
+    assert said == "Checking." and json.loads(calls) == {"tool_calls": [
+        {"id": "call_1", "name": "get_weather", "arguments": {"city": "Oslo"}},
+        {"id": "call_2", "name": "get_weather", "arguments": {"city": "Rome"}}]}
     assert json.loads(out[3]["content"]) == {"tool_results": [{"tool_call_id": "call_1", "content": "-3 C"},
                                                               {"tool_call_id": "call_2", "content": "14 C"}]}
     plain = render_history(_messages({"messages": [{"role": "user", "content": "hi"}]}), None)
     assert plain == [{"role": "user", "content": "hi"}]  # no tools: as before
-    with pytest.raises(ApiError, match=r"arguments is not JSON"):
-        _messages({"messages": [{"role": "assistant", "tool_calls": [
-            {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]})
+    for bad in ("{oops", "[" * 100_000):  # nested past the recursion limit: a 400 too, not a 500
+        with pytest.raises(ApiError, match=r"arguments is not JSON"):
+            _messages({"messages": [{"role": "assistant", "tool_calls": [
+                {"type": "function", "function": {"name": "f", "arguments": bad}}]}]})
 
 
 def test_answers_are_read_back_into_calls_or_content():
@@ -91,3 +94,31 @@ def test_answers_are_read_back_into_calls_or_content():
     assert calls[0].id.startswith("call_") and calls[0].openai(0)["index"] == 0
     assert read_answer('{"response": "It is cold."}') == ("It is cold.", [])
     assert read_answer('{"tool_calls": [{"name": "get_w') == ('{"tool_calls": [{"name": "get_w', [])  # cut short
+
+
+def test_parameters_that_refer_into_themselves_keep_their_meaning():
+    """pydantic writes nested models as $defs + $ref; a recursive schema refers to its root "#". Inside the answer's
+    schema those pointers must still resolve to the tool's own schema."""
+    from tests.conftest import byte_tokenizer
+
+    from kvtrace.runtime.grammar import Grammar
+
+    person = {"type": "function", "function": {"name": "add_person", "parameters": {
+        "$defs": {"Pet": {"type": "object", "properties": {"kind": {"enum": ["cat", "dog"]}}, "required": ["kind"]}},
+        "type": "object", "properties": {"name": {"type": "string"}, "pet": {"$ref": "#/$defs/Pet"}},
+        "required": ["name", "pet"]}}}
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}},
+        "required": ["kids"]}}}
+    tok = byte_tokenizer()
+    grammar = Grammar(parse_tools({"tools": [person, tree], "tool_choice": "required"}).constraint(), tok, [2])
+
+    def ok(text: str) -> bool:
+        ids = tok.encode(text).ids
+        return grammar.start()._m.validate_tokens(ids) == len(ids)
+
+    call = '{"tool_calls": [{"name": %s, "arguments": %s}]}'
+    assert ok(call % ('"add_person"', '{"name": "Al", "pet": {"kind": "cat"}}'))
+    assert not ok(call % ('"add_person"', '{"name": "Al", "pet": {"kind": "cow"}}'))
+    assert ok(call % ('"tree"', '{"kids": [{"kids": []}, {"kids": [{"kids": []}]}]}'))
+    assert not ok(call % ('"tree"', '{"kids": [{"tool_calls": []}]}'))  # "#" is the tool's root, not the answer's

@@ -71,6 +71,10 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
         )
     tok = art.tokenizer()
     sampling = sampling_of(args)
+    vocab = art.manifest.vocab_size
+    if sampling.logit_bias and vocab is not None and sampling.logit_bias[-1][0] >= vocab:  # before the prefill
+        raise UsageError(f"--logit-bias names token id {sampling.logit_bias[-1][0]}; this model's vocabulary is "
+                         f"[0, {vocab}): give ids below {vocab}")
     inputs = image_inputs(art, getattr(args, "image_features", None))
     grammar = bind_grammar(art, getattr(args, "constraint", None))
     session = art.session(cuda_graphs=getattr(args, "cuda_graphs", False))

@@ -6,6 +6,7 @@ Runs at artifact-run time: imports neither transformers nor anything that unpick
 from __future__ import annotations
 
 import math
+import operator
 import resource
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -66,13 +67,13 @@ class Sampling:
         pairs = list(bias.items()) if isinstance(bias, Mapping) else list(bias)
         for pair in pairs:
             tok, b = pair if isinstance(pair, (tuple, list)) and len(pair) == 2 else (None, None)
-            if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            if isinstance(tok, bool) or not hasattr(tok, "__index__") or operator.index(tok) < 0:  # ints, numpy's too
                 raise UsageError(f"logit_bias maps token ids (whole numbers >= 0) to biases; got {pair!r}")
             if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
                 raise UsageError(f"the logit bias of token {tok} must be a number in [-{MAX_LOGIT_BIAS:g}, "
                                  f"{MAX_LOGIT_BIAS:g}], got {b!r}")
         # kept as pairs sorted by id (frozen, hashable; the largest id last)
-        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        object.__setattr__(self, "logit_bias", tuple(sorted((operator.index(t), float(b)) for t, b in pairs)))
         if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
             raise UsageError("logit_bias names a token id twice; give each token one bias")
 

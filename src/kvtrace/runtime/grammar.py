@@ -31,7 +31,7 @@ import torch
 
 from kvtrace._errors import UnsupportedError, UsageError
 
-__all__ = ["Constraint", "ConstraintKind", "Grammar", "GrammarState"]
+__all__ = ["Constraint", "ConstraintKind", "Grammar", "GrammarState", "warm"]
 
 INSTALL = "pip install 'kvtrace[grammar]' (llguidance)"
 # JSON whitespace between tokens: a line break and up to 32 spaces or tabs of indentation, or up to 2 spaces; bounded
@@ -116,8 +116,10 @@ class Constraint:
     def _llg_grammar(self) -> str:
         llg = _llguidance()
         if self.kind is ConstraintKind.JSON_SCHEMA:
-            try:
-                return llg.LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_DEFAULTS)
+            options = json.loads(self.text).get("x-guidance")
+            own = isinstance(options, dict) and ({"whitespace_pattern", "whitespace_flexible"} & set(options))
+            try:  # the schema's own whitespace options, where it has any, else the bounded default
+                return llg.LLMatcher.grammar_from_json_schema(self.text, defaults=None if own else JSON_DEFAULTS)
             except ValueError as e:  # e.g. x-guidance options that are not an object
                 raise UsageError(f"invalid json schema: {_first_line(str(e))}") from None
         if self.kind is ConstraintKind.JSON_OBJECT:
@@ -138,13 +140,23 @@ def _llguidance() -> Any:
 
 @functools.lru_cache(maxsize=4)
 def _lltokenizer(tokenizer_json: str, eos_ids: tuple[int, ...]) -> Any:
-    """llguidance's view of a tokenizer (its tokens as bytes; ~0.3 s for a 49k vocabulary, so kept)."""
+    """llguidance's view of a tokenizer (its tokens as bytes; ~0.3 s for a 49k vocabulary, so kept), or the
+    UnsupportedError it could not be built with (kept too: a server would otherwise pay for it every request)."""
     llg = _llguidance()
     try:
         return llg.LLTokenizer(tokenizer_json, eos_token=list(eos_ids) or None)
     except Exception as e:  # a tokenizer llguidance cannot read (e.g. a WordLevel one without byte fallback)
-        raise UnsupportedError(f"llguidance cannot use this tokenizer for structured output ({str(e)[:200]}); "
-                               "it needs a byte-level BPE or SentencePiece tokenizer") from None
+        return UnsupportedError(f"llguidance cannot use this tokenizer for structured output ({_first_line(str(e))});"
+                                " it needs a byte-level BPE or SentencePiece tokenizer")
+
+
+def warm(tokenizer: Any, eos_ids: Sequence[int] = ()) -> None:
+    """Build (and keep) llguidance's view of ``tokenizer`` now, e.g. in a thread while a server starts, so the
+    first request with a constraint does not wait ~0.3 s for it; silent where llguidance is missing."""
+    try:
+        _lltokenizer(tokenizer if isinstance(tokenizer, str) else tokenizer.to_str(), tuple(int(i) for i in eos_ids))
+    except UnsupportedError:
+        pass
 
 
 class Grammar:
@@ -162,6 +174,8 @@ class Grammar:
         self.constraint = constraint
         self.eos_ids = tuple(int(i) for i in eos_ids)
         self._tok = _lltokenizer(text, self.eos_ids)
+        if isinstance(self._tok, UnsupportedError):
+            raise self._tok
         llg = _llguidance()
         self._grammar = constraint._llg_grammar()
         bad, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar, self._tok)

@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from kvtrace._errors import CacheOverflowError, UsageError
+from kvtrace._errors import CacheOverflowError, KvtraceError, UsageError
 from kvtrace.runtime.generate import Penalties, Sampling, _checked_grammar, _TextStream, sample
 from kvtrace.runtime.grammar import Grammar
 from kvtrace.runtime.prefix import reusable
@@ -79,6 +79,7 @@ class FinishReason(enum.StrEnum):
     MAX_SEQ_LEN = "max_seq_len"  # the slot's cache is full
     CANCELLED = "cancelled"  # ``cancel`` (e.g. the client went away)
     GRAMMAR = "grammar"  # the request's constraint is complete (structured output): nothing more may follow
+    ERROR = "error"  # this request alone failed (``SlotEvent.error`` says why; e.g. its grammar allowed no token)
 
     @property
     def openai(self) -> str:
@@ -125,6 +126,7 @@ class SlotEvent:
     text: str
     finish: FinishReason | None = None
     logprobs: TokenLogprobs | None = None
+    error: str = ""  # with FinishReason.ERROR: why this request failed (the others go on)
 
 
 class _Active:
@@ -291,7 +293,8 @@ class SlotEngine:
             raise UsageError(f"sampling must be a kvtrace.Sampling, got {type(request.sampling).__name__}")
         bias = request.sampling.logit_bias
         if bias and self._vocab is not None and bias[-1][0] >= self._vocab:  # sorted: the largest id last
-            raise UsageError(f"logit_bias names token id {bias[-1][0]}, outside the vocabulary [0, {self._vocab})")
+            raise UsageError(f"logit_bias names token id {bias[-1][0]}, outside the vocabulary [0, {self._vocab}); "
+                             f"bias ids below {self._vocab} only")
         stops = request.stop
         if isinstance(stops, str) or not all(isinstance(s, str) and s for s in stops):
             raise UsageError(f"stop must be a list of non-empty strings, got {stops!r}")
@@ -400,7 +403,14 @@ class SlotEngine:
             self._reset(slot, max(a.written, start + t))
             raise
         a.position = a.written = start + t
-        return None if a.prefilling else self._emit([slot], logits)[0]
+        if a.prefilling:
+            return None
+        try:
+            return self._emit([slot], logits)[0]
+        except BaseException:  # never leave a slot behind that no caller knows was admitted
+            a.failed = True
+            self._release(slot)
+            raise
 
     def _run(self, program: Program, spec: ProgramSpec, tokens: torch.Tensor, starts: list[int], rows: list[int],
              t: int) -> torch.Tensor:
@@ -422,15 +432,24 @@ class SlotEngine:
         acts = [self._slots[s] for s in rows]
         greedy = [i for i, a in enumerate(acts) if a.greedy]
         picked: dict[int, int] = {}
+        failed: dict[int, str] = {}  # a request's own sampling failed (its grammar allowed no token): it alone ends
         if greedy:
             ids = logits[greedy].argmax(-1).tolist() if len(greedy) < len(acts) else logits.argmax(-1).tolist()
             picked.update(zip(greedy, ids, strict=True))
         with torch.inference_mode():
             for i, a in enumerate(acts):
                 if not a.greedy:
-                    picked[i] = int(sample(logits[i : i + 1], a.request.sampling, a.gen, a.penalties, a.grammar))
+                    try:
+                        picked[i] = int(sample(logits[i : i + 1], a.request.sampling, a.gen, a.penalties, a.grammar))
+                    except KvtraceError as e:
+                        failed[i] = str(e)
         events = []
         for i, (slot, a) in enumerate(zip(rows, acts, strict=True)):
+            if i in failed:
+                a.failed = True  # reset when freed, as after a failing program
+                self._release(slot)
+                events.append(SlotEvent(slot, None, "", FinishReason.ERROR, error=failed[i]))
+                continue
             k = a.request.logprobs
             lp = None if k is None else _logprobs(logits[i], picked[i], k)
             events.append(self._advance(slot, a, picked[i], lp))

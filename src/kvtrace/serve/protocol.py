@@ -154,8 +154,19 @@ class Renderer:
         self._grammars: dict[tuple[Constraint, tuple[int, ...]], Grammar] = {}  # the last GRAMMAR_CACHE compiled
         self._tokenizer_json: str | None = None
 
-    def grammar(self, constraint: Constraint, stop_ids: Sequence[int]) -> Grammar:
-        """``constraint`` compiled for the tokenizer (kept: clients repeat their schemas); an ApiError if it is bad."""
+    def warm(self) -> None:
+        """Build llguidance's view of the tokenizer now (a server calls this in a thread as it starts)."""
+        from kvtrace.runtime.grammar import warm
+
+        if self.tokenizer is None:
+            return
+        if self._tokenizer_json is None:
+            self._tokenizer_json = self.tokenizer.to_str()
+        warm(self._tokenizer_json, self.eos_ids)
+
+    def grammar(self, constraint: Constraint, stop_ids: Sequence[int], param: str = "response_format") -> Grammar:
+        """``constraint`` compiled for the tokenizer (kept: clients repeat their schemas); an ApiError naming
+        ``param`` (where the constraint came from) if it is bad."""
         from kvtrace.runtime.grammar import Grammar
 
         key = (constraint, tuple(stop_ids))
@@ -166,9 +177,9 @@ class Renderer:
         try:
             grammar = Grammar(constraint, self._tokenizer_json, stop_ids)
         except UnsupportedError as e:
-            raise ApiError(f"response_format: {e}", param="response_format", code="unsupported_parameter") from None
+            raise ApiError(f"{param}: {e}", param=param, code="unsupported_parameter") from None
         except UsageError as e:
-            raise ApiError(f"response_format: {e}", param="response_format") from None
+            raise ApiError(f"{param}: {e}", param=param) from None
         while len(self._grammars) >= GRAMMAR_CACHE:
             self._grammars.pop(next(iter(self._grammars)))
         self._grammars[key] = grammar
@@ -302,6 +313,10 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
                         **penalties)
     stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
     constraint = _response_format(body)
+    if constraint is not None and _stop(body):
+        raise ApiError("stop with response_format is not supported by kvtrace serve: a stop string could cut the "
+                       "JSON short and still end as finish_reason stop; leave out one of them", param="stop",
+                       code="unsupported_parameter")
     if tools is not None:
         if constraint is not None:
             raise ApiError("response_format and tools cannot be combined: an answer that may call tools is held to "
@@ -315,7 +330,8 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
                            "JSON the answer is read back from; leave out one of them", param="stop",
                            code="unsupported_parameter")
         constraint = tools.constraint()
-    grammar = renderer.grammar(constraint, stop_ids) if constraint is not None else None
+    grammar = (None if constraint is None
+               else renderer.grammar(constraint, stop_ids, "tools" if tools is not None else "response_format"))
     req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body),
                       logprobs=logprobs, grammar=grammar)
     return req, stream, include_usage
@@ -335,6 +351,9 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
             raise ApiError(f"logit_bias[{key}] must be a number in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                            f"got {_short(b)}", param="logit_bias")
+        if int(key) in out:
+            raise ApiError(f"logit_bias names token {int(key)} twice (as {key!r} and another spelling); give each "
+                           "token one bias", param="logit_bias")
         out[int(key)] = float(b)
     return out
 
@@ -371,7 +390,10 @@ def _response_format(body: dict[str, Any]) -> Constraint | None:
     if not isinstance(schema, (dict, bool)):
         raise ApiError(f"response_format.json_schema.schema must be a JSON schema object, got {_short(schema)}",
                        param="response_format.json_schema.schema")
-    return Constraint.json_schema(schema)
+    try:
+        return Constraint.json_schema(schema)
+    except UsageError as e:  # e.g. the schema false, which nothing is valid under
+        raise ApiError(f"response_format.json_schema.schema: {e}", param="response_format.json_schema.schema") from None
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

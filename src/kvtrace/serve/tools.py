@@ -60,10 +60,18 @@ class Tools:
         return tuple(f for f in self.functions if f[0] == self.choice)
 
     def constraint(self) -> Constraint:
-        """The JSON schema every answer is held to."""
-        calls = [{"type": "object", "properties": {"name": {"const": name}, "arguments": json.loads(params)},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-                 for name, _, params in self.offered()]
+        """The JSON schema every answer is held to. A parameters schema that refers into itself ($ref, as pydantic
+        writes nested models) is moved to the root's $defs under the tool's name, its pointers rewritten, so they
+        resolve as they did in the tool's own schema."""
+        defs: dict[str, Any] = {}
+        calls = []
+        for name, _, params in self.offered():
+            args = json.loads(params)
+            if '"$ref"' in params:
+                defs.update(_lifted(name, args))
+                args = {"$ref": f"#/$defs/{name}__params"}
+            calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": args},
+                          "required": ["name", "arguments"], "additionalProperties": False})
         call_list: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
                                      "minItems": 1}
         if not self.parallel:
@@ -73,7 +81,8 @@ class Tools:
         if self.choice == "auto":
             options.append({"type": "object", "properties": {"response": {"type": "string"}},
                             "required": ["response"], "additionalProperties": False})
-        return Constraint.json_schema(options[0] if len(options) == 1 else {"anyOf": options})
+        schema = options[0] if len(options) == 1 else {"anyOf": options}
+        return Constraint.json_schema({**schema, "$defs": defs} if defs else schema)
 
     def system_text(self) -> str:
         """What the system message tells the model about the tools and the answer's form."""
@@ -88,6 +97,30 @@ class Tools:
         else:
             how = f"Call the tool {self.choice}: answer with the JSON object {call}."
         return f"You can call these tools (arguments as JSON schemas):\n{listed}\n{how}"
+
+
+def _lifted(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` (a tool's parameters schema) as root ``$defs`` entries named ``<name>__...``: the schema itself
+    as ``<name>__params``, each of its own $defs / definitions as ``<name>__<def>``, every local pointer rewritten
+    to match ("#" -> the params entry, "#/$defs/X/..." -> "#/$defs/<name>__X/...", "#/a/b" -> inside the params)."""
+    prefix = f"{name}__"
+
+    def pointer(ref: str) -> str:
+        if ref == "#":
+            return f"#/$defs/{prefix}params"
+        for head in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(head):
+                return f"#/$defs/{prefix}{ref[len(head):]}"
+        return f"#/$defs/{prefix}params/{ref[2:]}" if ref.startswith("#/") else ref  # another document: as is
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, dict):
+            return {k: pointer(x) if k == "$ref" and isinstance(x, str) else walk(x) for k, x in v.items()}
+        return [walk(x) for x in v] if isinstance(v, list) else v
+
+    own = {**params.get("definitions", {}), **params.get("$defs", {})}
+    body = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    return {f"{prefix}params": walk(body), **{prefix + k: walk(v) for k, v in own.items()}}
 
 
 def parse_tools(body: dict[str, Any]) -> Tools | None:
@@ -111,7 +144,9 @@ def parse_tools(body: dict[str, Any]) -> Tools | None:
             raise _error(f"{where} must be {{\"type\": \"function\", \"function\": {{name, description, parameters}}}} "
                          f"(kvtrace serve calls functions only), got {_short(t)}", where)
         f = t["function"]
-        name, desc, params = f.get("name"), f.get("description", ""), f.get("parameters", {"type": "object"})
+        name, desc, params = f.get("name"), f.get("description", ""), f.get("parameters")
+        if params is None:  # left out (or null): a function of no declared arguments
+            params = {"type": "object"}
         if not isinstance(name, str) or not NAME.match(name):
             raise _error(f"{where}.function.name must be 1-64 letters, digits, _ or -, got {_short(name)}",
                          f"{where}.function.name")
@@ -162,10 +197,10 @@ def assistant_calls(message: dict[str, Any], where: str) -> list[dict[str, Any]]
                          f"string)}}}}, got {_short(c)}", f"{where}.tool_calls")
         try:
             args = json.loads(f["arguments"])
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise _error(f"{where}.tool_calls[{j}].function.arguments is not JSON: {_short(f['arguments'])}",
                          f"{where}.tool_calls") from None
-        out.append({"name": f["name"], "arguments": args})
+        out.append({"id": c.get("id", ""), "name": f["name"], "arguments": args})
     return out
 
 
@@ -186,9 +221,10 @@ def render_history(messages: list[dict[str, Any]], tools: Tools | None) -> list[
             results.append({"tool_call_id": m.get("_call_id", ""), "content": m["content"]})
             continue
         flush()
-        if m.get("_calls"):
+        if m.get("_calls"):  # the ids too: results name the call they answer
             calls = json.dumps({"tool_calls": m["_calls"]}, ensure_ascii=False)
-            out.append({"role": "assistant", "content": calls})
+            said = m["content"].strip()
+            out.append({"role": "assistant", "content": f"{said}\n{calls}" if said else calls})
         else:
             out.append({"role": m["role"], "content": m["content"]})
     flush()
@@ -218,7 +254,7 @@ def read_answer(text: str) -> tuple[str | None, list[ToolCall]]:
     (None, calls); anything else (an answer cut short by max_tokens) -> (text as it is, [])."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return text, []
     if isinstance(value, dict) and isinstance(value.get("response"), str):
         return value["response"], []

@@ -222,6 +222,9 @@ class Worker:
             if job.first_token_at is None:
                 job.first_token_at = time.perf_counter()
                 self.metrics.observe("time_to_first_token_seconds", job.first_token_at - job.received)
+        if ev.finish is FinishReason.ERROR:  # this request alone failed: answered as an error, the others go on
+            self._finish(ev.slot, None, f"generation failed: {ev.error}")
+            return
         job._put(ev)
         if ev.finish is not None:
             self._finish(ev.slot, ev.finish)
