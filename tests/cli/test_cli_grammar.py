@@ -43,6 +43,12 @@ def test_run_answers_under_each_kind_of_constraint(art, capsys, tmp_path):
     lark.write_text('start: "[" WORD ("," WORD)* "]"\nWORD: /cat|sat|mat/\n')
     out = _run(art, capsys, "--grammar", str(lark))
     assert re.fullmatch(r"\[(cat|sat|mat)(,(cat|sat|mat))*\]?,?", out["text"])  # cut short by --max-len at worst
+    gbnf = tmp_path / "list.gbnf"
+    gbnf.write_text('root ::= "[" word ("," word)* "]"\nword ::= "cat" | "sat" | "mat"\n')
+    out = _run(art, capsys, "--grammar", str(gbnf))
+    assert re.fullmatch(r"\[(cat|sat|mat)(,(cat|sat|mat))*\]?,?", out["text"])
+    out = _run(art, capsys, "--choice", "yes", "--choice", "no", "--choice", "maybe so")
+    assert out["text"] in ("yes", "no", "maybe so") and out["stop_reason"] in ("grammar", "eos")
     plain = _run(art, capsys)
     with pytest.raises(ValueError):
         json.loads(plain["text"])  # unconstrained, this random model writes no JSON
@@ -55,6 +61,7 @@ def test_run_answers_under_each_kind_of_constraint(art, capsys, tmp_path):
     (["--json-schema", '{"type": '], "not valid JSON"),
     (["--grammar", "nothing.lark"], "no such file"),
     (["--regex", "a", "--json-object"], "not allowed with argument"),
+    (["--choice", ""], "non-empty string"),
 ])
 def test_bad_constraints_are_one_line_errors_before_anything_loads(args, words, capsys):
     capsys.readouterr()

@@ -183,11 +183,32 @@ def test_sample_masks_and_advances_in_one_place():
     assert _text([tok]) in ("a", "ab") and state.tokens == 1
 
 
+def test_a_choice_answers_exactly_one_of_its_texts_and_gbnf_is_llama_cpps_grammar():
+    labels = ["positive", 'neg"ative', "a|b", "line\nbreak"]  # quotes, regex metacharacters, a newline: as written
+    grammar = Grammar(Constraint.choice(labels), TOK, eos_ids=[EOS])
+    seen = set()
+    for seed in range(12):
+        res = generate(_session(seed), PROMPT, max_new_tokens=20, eos_ids=[EOS], grammar=grammar,
+                       sampling=Sampling(temperature=1.0, seed=seed))
+        assert _text(res.tokens) in labels and res.stats.stop_reason in ("grammar", "eos")
+        seen.add(_text(res.tokens))
+    assert len(seen) >= 2  # the random model's own preference picks among them
+    gbnf = Grammar(Constraint.gbnf('root ::= "id-" [0-9]{3} ("-" [a-z]+)?'), TOK, eos_ids=[EOS])
+    for seed in range(3):
+        res = generate(_session(seed), PROMPT, max_new_tokens=20, eos_ids=[EOS], grammar=gbnf)
+        assert re.fullmatch("id-[0-9]{3}(-[a-z]+)?", _text(res.tokens))
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda: Constraint.json_schema('{"type": '), "not valid JSON"),
     (lambda: Constraint.json_schema([1, 2]), "is an object"),
     (lambda: Constraint.regex(""), "empty"),
     (lambda: Constraint.lark("  "), "empty"),
+    (lambda: Constraint.choice([]), "a list of strings"),
+    (lambda: Constraint.choice("yes"), "a list of strings"),
+    (lambda: Constraint.choice(["yes", ""]), "non-empty string"),
+    (lambda: Constraint.gbnf("root ::= ("), r"invalid GBNF grammar: Expected '\)'"),
+    (lambda: Constraint.gbnf("root ::= foo"), "invalid GBNF grammar: Rule 'foo' not found"),
 ])
 def test_malformed_constraints_are_refused_when_made(make, match):
     with pytest.raises(UsageError, match=match):

@@ -4,6 +4,7 @@ real OpenAI client, equal to a solo constrained run; malformed formats are 400s 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -78,6 +79,36 @@ def test_json_object_mode_on_chat_and_completions(served, client):
                                     "additionalProperties": False}}}})
     assert r.status_code == 200, r.text
     assert json.loads(r.json()["choices"][0]["text"])["n"] in (1, 2, 3)
+
+
+def test_vllm_and_llama_cpp_fields_constrain_the_answer_too(served, client):
+    for extra, check in [
+        ({"guided_choice": ["positive", "negative"]}, lambda t: t in ("positive", "negative")),
+        ({"guided_regex": "[0-9]{3}-[0-9]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[0-9]{2}", t)),
+        ({"guided_json": PERSON}, lambda t: _check_person(json.loads(t)) is None),
+        ({"json_schema": json.dumps(PERSON)}, lambda t: _check_person(json.loads(t)) is None),
+        ({"guided_grammar": 'start: "[" W ("," W)* "]"\nW: /cat|mat/'}, lambda t: re.fullmatch(r"\[(cat|mat)(,(cat|mat))*\]", t)),
+        ({"grammar": 'root ::= "id-" [0-9]{3}'}, lambda t: re.fullmatch("id-[0-9]{3}", t)),
+    ]:
+        r = client.chat.completions.create(model="m", messages=ASK, max_tokens=120, extra_body=extra)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop" and check(text), (extra, text)
+    r = httpx.post(served[0] + "/v1/completions", json={"prompt": "the cat", "max_tokens": 20,
+                                                          "guided_choice": ["yes", "no"]})
+    assert r.json()["choices"][0]["text"] in ("yes", "no")
+    for body, param, words in [
+        ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "guided_regex and guided_choice both"),
+        ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json", "both constrain"),
+        ({"guided_choice": "yes"}, "guided_choice", "a list of strings"),
+        ({"guided_json": 3}, "guided_json", "must be a JSON schema"),
+        ({"grammar": "root ::= ("}, "grammar", "invalid GBNF grammar"),
+        ({"guided_regex": "[a-"}, "guided_regex", "invalid regex"),
+        ({"guided_choice": ["a"], "tools": [WEATHER]}, "guided_choice", "cannot be combined"),
+    ]:
+        r = httpx.post(served[0] + "/v1/chat/completions", json={"messages": ASK, **body})
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert words in err["message"] and err["param"] == param, (body, err)
 
 
 @pytest.mark.parametrize(("fmt", "param", "words"), [

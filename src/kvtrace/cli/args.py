@@ -267,7 +267,8 @@ def speculate_arg(p: argparse.ArgumentParser, builds: bool) -> None:
 
 
 def constraint_args(p: argparse.ArgumentParser) -> None:
-    """Structured output (``runtime.grammar``): at most one of --json-schema / --json-object / --regex / --grammar."""
+    """Structured output (``runtime.grammar``): at most one of --json-schema / --json-object / --regex / --grammar /
+    --choice."""
     g = p.add_mutually_exclusive_group()
     g.add_argument("--json-schema", default=None, metavar="SCHEMA",
                    help="answer with JSON valid under this JSON schema: a file (.json) or the schema itself; every "
@@ -276,7 +277,10 @@ def constraint_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json-object", action="store_true", help="answer with a JSON object (any)")
     g.add_argument("--regex", default=None, metavar="PATTERN", help="answer with text the whole of which matches PATTERN")
     g.add_argument("--grammar", default=None, metavar="FILE",
-                   help="answer with text derived from the rule `start` of this Lark grammar (llguidance's variant)")
+                   help="answer with text derived from this grammar: a Lark grammar (llguidance's variant, rule "
+                        "`start`), or llama.cpp's GBNF for a .gbnf file (rule `root`)")
+    g.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="answer with exactly one of these texts (repeat: --choice yes --choice no)")
 
 
 def constraint_of(args: argparse.Namespace) -> Any:
@@ -301,8 +305,11 @@ def constraint_of(args: argparse.Namespace) -> Any:
     if getattr(args, "grammar", None) is not None:
         path = Path(args.grammar)
         if not path.is_file():
-            raise UsageError(f"--grammar {args.grammar!r}: no such file (give a Lark grammar file)")
-        return Constraint.lark(path.read_text(encoding="utf-8", errors="replace")).check()
+            raise UsageError(f"--grammar {args.grammar!r}: no such file (give a Lark grammar file, or a .gbnf one)")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        return (Constraint.gbnf(text) if path.suffix.lower() == ".gbnf" else Constraint.lark(text)).check()
+    if getattr(args, "choice", None):
+        return Constraint.choice(args.choice).check()
     return None
 
 

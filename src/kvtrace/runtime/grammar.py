@@ -7,6 +7,7 @@ dependency, ``pip install 'kvtrace[grammar]'``):
   ``.json_object()``, ``.regex(pattern)``, ``.lark(grammar)`` (llguidance's Lark variant).
 - ``Grammar``: a constraint compiled for one tokenizer and its stop ids, checked once (a bad schema or pattern
   is a ``UsageError`` here, before any token); ``artifact.grammar(constraint)`` binds the artifact's.
+  Also ``Constraint.choice([...])`` (one of some strings) and ``.gbnf(grammar)`` (llama.cpp's grammars).
 - ``GrammarState``: one generation's progress through it, made by ``Grammar.start()``. Before each sample,
   ``mask(logits)`` sets every token the constraint does not allow next to -inf (logits [1, V]); after it,
   ``advance(token)`` records the token — sampling does both (``generate.sample``), the one place it advances.
@@ -98,6 +99,30 @@ class Constraint:
         if not isinstance(grammar, str) or not grammar.strip():
             raise UsageError("the grammar is empty; give a Lark grammar with a `start` rule")
         return cls(ConstraintKind.LARK, grammar)
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Constraint:
+        """Exactly one of ``options`` (e.g. the labels of a classification), as written."""
+        if isinstance(options, str) or not isinstance(options, Sequence) or not options:
+            raise UsageError(f"a choice needs a list of strings, the output being one of them; got {options!r}")
+        if not all(isinstance(o, str) and o for o in options):
+            raise UsageError(f"every choice must be a non-empty string; got {list(options)!r}")
+        # Lark string literals, escaped as JSON strings are ("\"", "\\", "\n", ...)
+        return cls(ConstraintKind.LARK, "start: " + " | ".join(json.dumps(o, ensure_ascii=False) for o in options))
+
+    @classmethod
+    def gbnf(cls, grammar: str) -> Constraint:
+        """Output derived from the rule ``root`` of ``grammar`` in llama.cpp's GBNF, translated to llguidance's Lark
+        variant (its own translator)."""
+        if not isinstance(grammar, str) or not grammar.strip():
+            raise UsageError("the GBNF grammar is empty; give one with a `root` rule")
+        _llguidance()
+        from llguidance.gbnf_to_lark import gbnf_to_lark
+
+        try:
+            return cls(ConstraintKind.LARK, gbnf_to_lark(grammar))
+        except Exception as e:  # its translator raises plain Exceptions and GbnfToLarkError
+            raise UsageError(f"invalid GBNF grammar: {_first_line(str(e))}") from None
 
     def check(self) -> Constraint:
         """This constraint once llguidance accepts it (a UsageError naming what is wrong otherwise); no tokenizer

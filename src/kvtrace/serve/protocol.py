@@ -4,7 +4,9 @@ Every malformed body is an ``ApiError`` (HTTP 4xx, in OpenAI's error shape ``{"e
 "type", "param", "code"}}``) naming the field, what it must be and what was found. Known fields must have
 their documented types; unknown fields are ignored (as vLLM and llama.cpp do, so clients sending newer
 parameters keep working); known parameters kvtrace does not implement (``n`` > 1, the legacy ``functions``,
-``echo``, ...) are refused by name rather than silently ignored. ``tools`` / ``tool_choice``: ``serve.tools``. Three extensions other servers share:
+``echo``, ...) are refused by name rather than silently ignored. ``tools`` / ``tool_choice``: ``serve.tools``.
+Structured output: ``response_format`` (OpenAI's), or vLLM's ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+``guided_grammar`` (Lark) or llama.cpp's ``json_schema`` / ``grammar`` (GBNF); one per request. Three extensions other servers share:
 ``top_k``, ``repetition_penalty`` and ``ignore_eos`` (generate past the end-of-turn token, for benchmarks).
 ``presence_penalty`` / ``frequency_penalty`` (OpenAI's) and ``repetition_penalty`` are ``Sampling``'s.
 
@@ -312,16 +314,15 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
                         repetition_penalty=1.0 if repetition is None else repetition, logit_bias=_logit_bias(body),
                         **penalties)
     stop_ids = () if _bool(body, "ignore_eos") else renderer.eos_ids  # vLLM's and llama.cpp's extension
-    constraint = _response_format(body)
+    source, constraint = _constraint(body)
     if constraint is not None and _stop(body):
-        raise ApiError("stop with response_format is not supported by kvtrace serve: a stop string could cut the "
-                       "JSON short and still end as finish_reason stop; leave out one of them", param="stop",
-                       code="unsupported_parameter")
+        raise ApiError(f"stop with {source} is not supported by kvtrace serve: a stop string could cut the answer "
+                       "short of its constraint and still end as finish_reason stop; leave out one of them",
+                       param="stop", code="unsupported_parameter")
     if tools is not None:
         if constraint is not None:
-            raise ApiError("response_format and tools cannot be combined: an answer that may call tools is held to "
-                           'the tool-call JSON; leave out one of them (or send tool_choice: "none")',
-                           param="response_format")
+            raise ApiError(f"{source} and tools cannot be combined: an answer that may call tools is held to the "
+                           'tool-call JSON; leave out one of them (or send tool_choice: "none")', param=source)
         if logprobs is not None:
             raise ApiError("logprobs with tools is not supported by kvtrace serve (the answer is read back from "
                            "JSON); leave out one of them", param="logprobs", code="unsupported_parameter")
@@ -330,8 +331,8 @@ def _common(body: dict[str, Any], default_max: int | None, renderer: Renderer,
                            "JSON the answer is read back from; leave out one of them", param="stop",
                            code="unsupported_parameter")
         constraint = tools.constraint()
-    grammar = (None if constraint is None
-               else renderer.grammar(constraint, stop_ids, "tools" if tools is not None else "response_format"))
+        source = "tools"
+    grammar = None if constraint is None else renderer.grammar(constraint, stop_ids, source)
     req = SlotRequest(ids, max_tokens=max_tokens, sampling=sampling, stop_ids=stop_ids, stop=_stop(body),
                       logprobs=logprobs, grammar=grammar)
     return req, stream, include_usage
@@ -356,6 +357,47 @@ def _logit_bias(body: dict[str, Any]) -> dict[int, float]:
                            "token one bias", param="logit_bias")
         out[int(key)] = float(b)
     return out
+
+
+# Other servers' fields for the same thing, so their clients' code runs unchanged: vLLM's guided decoding and
+# llama.cpp's json_schema / grammar (GBNF). At most one constraint per request.
+CONSTRAINT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                     "json_schema", "grammar")
+
+
+def _constraint(body: dict[str, Any]) -> tuple[str, Constraint | None]:
+    """(the field it came from, the Constraint) of a request's answer, or ("", None); an ApiError naming the field
+    when one is malformed or two are given."""
+    given = [k for k in CONSTRAINT_FIELDS[1:] if body.get(k) is not None]
+    fmt = _response_format(body)
+    if fmt is not None:
+        given.insert(0, "response_format")
+    if len(given) > 1:
+        raise ApiError(f"{given[0]} and {given[1]} both constrain the answer; give one of them", param=given[1])
+    if not given:
+        return "", None
+    name = given[0]
+    v = body[name]
+    try:
+        if name == "response_format":
+            return name, fmt
+        if name in ("guided_json", "json_schema"):
+            if not isinstance(v, (dict, str)):
+                raise ApiError(f"{name} must be a JSON schema (an object, or its JSON text), got {_short(v)}", param=name)
+            return name, Constraint.json_schema(v)
+        if name == "guided_choice":
+            return name, Constraint.choice(v)
+        if not isinstance(v, str):
+            raise ApiError(f"{name} must be a string, got {_short(v)}", param=name)
+        if name == "guided_regex":
+            return name, Constraint.regex(v)
+        return name, Constraint.gbnf(v) if name == "grammar" else Constraint.lark(v)
+    except UnsupportedError as e:
+        raise ApiError(f"{name}: {e}", param=name, code="unsupported_parameter") from None
+    except UsageError as e:
+        if isinstance(e, ApiError):
+            raise
+        raise ApiError(f"{name}: {e}", param=name) from None
 
 
 def _response_format(body: dict[str, Any]) -> Constraint | None:
@@ -410,7 +452,7 @@ def chat_request(body: dict[str, Any], renderer: Renderer, model: str) -> Prompt
     """A /v1/chat/completions body -> the request to run (no temperature: the artifact's default, greedy for
     kvtrace's exports, so an unadorned request answers as ``kvtrace run`` does)."""
     _refuse_unsupported(body, _UNSUPPORTED_CHAT)
-    _response_format(body)  # a malformed one: refused before the prompt is rendered
+    _constraint(body)  # a malformed one: refused before the prompt is rendered
     tools = parse_tools(body)
     messages = _messages(body)
     _validate_scalars(body)
