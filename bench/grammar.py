@@ -7,7 +7,10 @@ On the artifact `kvtrace generate` uses by default (the GGUF's blocks on aoti, f
   2. one prompt answered greedily plain, under a JSON schema and in JSON-object mode, alternated --rounds times:
      decode tokens/s, and the time the mask took per token (GrammarState.mask, timed around every call);
   3. tool calling through `kvtrace serve`'s app in this process (the OpenAI client, one slot): three questions,
-     tool_choice auto and required, parallel_tool_calls false: what each answer called or said.
+     tool_choice auto and required, parallel_tool_calls false: what each answer called or said;
+  4. with --speculate K (--speculate-quant Q, default int8: an artifact exported with every position's logits):
+     the JSON-schema answer plain and with speculative decoding, whose drafts are the tokens the schema forces
+     next (else prompt lookup), alternated --rounds times: decode tokens/s, drafts accepted, same answer.
 
 Prints Markdown tables and writes everything to --json.
 """
@@ -24,7 +27,8 @@ from pathlib import Path
 import torch
 
 SCHEMA = {"type": "object", "properties": {"company": {"type": "string"},
-                                           "founders": {"type": "array", "items": {"type": "string"}},
+                                           "founders": {"type": "array", "items": {"type": "string"},
+                                                        "maxItems": 4},
                                            "year": {"type": "integer"}, "summary": {"type": "string"}},
           "required": ["company", "founders", "year", "summary"], "additionalProperties": False}
 PROMPT = "Describe Meta as JSON: company, founders, year founded, and a long summary of its history."
@@ -47,6 +51,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--speculate", type=int, default=0, metavar="K")
+    ap.add_argument("--speculate-quant", default="int8")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -106,6 +112,7 @@ def main() -> int:
         masks = "; ".join(" / ".join(f"{v:.2f}" for v in m) for m in r["mask_ms"]) or "-"
         print(f"| {name} | {', '.join(f'{v:.1f}' for v in r['tok_s'])} | {masks} | {', '.join(r['stop'])} |")
 
+    spec = speculated(args, SCHEMA) if args.speculate else {}
     tools = tool_calls(art)
     print("\n| question | tool_choice | finish | answer |\n|---|---|---|---|")
     for t in tools:
@@ -114,8 +121,51 @@ def main() -> int:
         Path(args.json).write_text(json.dumps({
             "artifact": str(built.path), "threads": args.threads, "new_tokens": args.new_tokens,
             "tokenizer_view_s": round(tokenizer_s, 3), "schema_compile_ms": round(compile_ms, 3),
-            "rows": rows, "texts": texts, "tools": tools, "torch": torch.__version__}, indent=1))
+            "rows": rows, "texts": texts, "tools": tools, "speculate": spec, "torch": torch.__version__}, indent=1))
     return 0
+
+
+def speculated(args, schema: dict) -> dict:
+    """The JSON-schema answer on a --speculate-quant artifact, plain and with --speculate drafts."""
+    import kvtrace
+    from kvtrace.artifact.store import cached_artifact
+    from kvtrace.cli.args import chosen_backend
+    from kvtrace.cli.generate import encode
+    from kvtrace.runtime.generate import stream
+
+    quant = args.speculate_quant
+    backend = chosen_backend(argparse.Namespace(backend=None, quant=quant))
+    art = cached_artifact(None, backend=backend, max_seq_len=1024, prefill_logits="all", load=True,
+                          quant=None if quant == "none" else quant).artifact
+    grammar = art.grammar(kvtrace.Constraint.json_schema(schema))
+    ids = encode(art, PROMPT, True)
+    session = art.session()
+    from kvtrace.runtime.grammar import GrammarState
+
+    out: dict = {"quant": quant, "backend": backend, "k": args.speculate, "plain": [], "speculative": [],
+                 "lookup_only": []}
+    forced = GrammarState.forced
+    for _ in range(args.rounds):
+        for name, k in (("plain", 0), ("speculative", args.speculate), ("lookup_only", args.speculate)):
+            session.reset()
+            GrammarState.forced = forced if name != "lookup_only" else (lambda self: [])  # drafts: prompt lookup only
+            gen = stream(session, ids, max_new_tokens=args.new_tokens, eos_ids=art.manifest.eos_ids, grammar=grammar,
+                         speculate=k)
+            toks = [c.token for c in gen]
+            GrammarState.forced = forced
+            st = gen.result.stats
+            out[name].append({"tok_s": round(st.decode_tokens_per_s, 1), "tokens": toks, "drafted": st.drafted,
+                              "accepted": st.accepted, "calls": st.calls, "stop": st.stop_reason})
+    same = all(r["tokens"] == out["plain"][0]["tokens"] for r in out["speculative"] + out["lookup_only"])
+    print(f"\n{quant} {backend}, --speculate {args.speculate}, JSON schema answer of {args.new_tokens} tokens at most "
+          f"(same answer every way: {same}):")
+    for name in ("plain", "speculative", "lookup_only"):
+        rs = out[name]
+        print(f"  {name}: {[r['tok_s'] for r in rs]} tok/s, accepted "
+              f"{[str(r['accepted']) + '/' + str(r['drafted']) for r in rs]}, calls {[r['calls'] for r in rs]}")
+    print("  answer: " + repr(art.tokenizer().decode(out["plain"][0]["tokens"], skip_special_tokens=True)[:300]))
+    out["same_answer"] = same
+    return out
 
 
 def tool_calls(art) -> list[dict]:

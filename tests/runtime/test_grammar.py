@@ -149,8 +149,9 @@ def test_a_schemas_own_whitespace_options_replace_the_bounded_default():
 
 
 @pytest.mark.parametrize("k", [1, 4])
-def test_speculative_constrained_answers_are_the_plain_ones(k):
+def test_speculative_constrained_answers_are_the_plain_ones_and_draft_what_the_schema_forces(k):
     grammar = Grammar(Constraint.json_schema(PERSON), TOK, eos_ids=[EOS])
+    accepted = 0
     for seed in range(3):
         s = _session(seed)
         plain = generate(s, PROMPT * 2, max_new_tokens=60, eos_ids=[EOS], grammar=grammar)
@@ -159,6 +160,21 @@ def test_speculative_constrained_answers_are_the_plain_ones(k):
         spec = generate(s, PROMPT * 2, max_new_tokens=60, eos_ids=[EOS], grammar=grammar, speculate=k)
         assert spec.tokens == plain.tokens and s.position == pos
         assert spec.stats.stop_reason == plain.stats.stop_reason
+        accepted += spec.stats.accepted
+    # this random model copies nothing from its prompt: what it accepts are the keys and punctuation the schema
+    # forces ('name":"' after '{"', '","age":' after the name), drafted by GrammarState.forced
+    assert accepted >= 3 * min(k, 2)
+
+
+def test_forced_tokens_are_what_the_constraint_leaves_no_choice_about():
+    state = Grammar(Constraint.json_schema(PERSON), TOK, eos_ids=[EOS]).start()
+    # compact, properties in order, name first; the opening quote of the value not yet: a token may join it to text
+    assert _text(state.forced()) == '{"name":'
+    state.advance(TOK.token_to_id('{"'))
+    assert _text(state.forced()) == 'name":'
+    for t in TOK.encode('name":"cat').ids:
+        state.advance(t)
+    assert state.forced() == []  # the name may go on, or end: no forced token
 
 
 def test_drafts_copied_from_the_prompt_are_accepted_under_the_constraint():

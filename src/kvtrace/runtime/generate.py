@@ -414,7 +414,10 @@ class Generation:
                 yield None, "eos"
                 return
             drafter.extend(out)
-            draft = drafter.propose(min(pace.draft_len(drafter.k), max_new - n - 1))
+            most = min(pace.draft_len(drafter.k), max_new - n - 1)
+            # under a constraint, what it forces next (a JSON key, the punctuation around it) drafts first
+            forced = gs.forced()[:most] if gs is not None and most > 0 else []
+            draft = forced or drafter.propose(most)
             if draft and pace.worth():  # a probe is spent only on a draft
                 draft = draft[: draft_room(session, len(draft))]
             else:

@@ -249,6 +249,14 @@ class GrammarState:
         """The output so far is complete under the constraint (it may still go on)."""
         return bool(self._m.is_accepting())
 
+    def forced(self) -> list[int]:
+        """The tokens the constraint forces next, in the tokenizer's own spelling (e.g. '"company": "' after '{'
+        in a schema's object): likely drafts for speculative decoding, not certain ones (the model may spell
+        the same bytes with other tokens, which the mask allows too)."""
+        tokens = list(self._m.compute_ff_tokens())
+        self._check()
+        return tokens
+
     def allowed(self, vocab: int) -> torch.Tensor:
         """[vocab] bool: the tokens the constraint allows next."""
         self._m.unsafe_compute_mask_ptr(self._bits.data_ptr(), self._bits.numel() * 4)
