@@ -21,6 +21,14 @@ def test_the_drafter_copies_what_followed_the_longest_match():
     assert d.propose() == [4, 5, 9, 2]  # the tail (1, 2, 3) beats the later (2, 3), which 7 followed
 
 
+def test_a_proposal_can_start_after_tokens_taken_to_follow_the_history():
+    d = NgramDrafter(4)
+    d.extend([7, 2, 3, 4, 5, 6, 1])
+    assert d.propose() == []  # (6, 1) never occurred before
+    assert d.propose(after=[2, 3]) == [4, 5, 6, 1]  # as if 2, 3 came next (a grammar forces them): what followed them
+    assert d.propose(2, after=[9]) == [] and d.tokens == [7, 2, 3, 4, 5, 6, 1]  # nothing indexed from `after`
+
+
 def test_longest_ngram_wins_and_the_latest_occurrence_of_it():
     d = NgramDrafter(3)
     d.extend([5, 6, 7, 1, 5, 6, 8, 2, 9, 5, 6])

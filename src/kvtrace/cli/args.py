@@ -244,12 +244,9 @@ def sampling_of(args: argparse.Namespace) -> Any:
     """The ``Sampling`` that ``sampling_knobs``' options ask for."""
     from kvtrace.runtime.generate import Sampling
 
-    bias = getattr(args, "logit_bias", [])
-    if len({t for t, _ in bias}) != len(bias):
-        raise UsageError(f"--logit-bias names a token id twice ({[t for t, _ in bias]}); give each token one bias")
     return Sampling(args.temperature, args.top_k, args.top_p, args.seed, repetition_penalty=args.repetition_penalty,
                     presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
-                    logit_bias=tuple(bias))
+                    logit_bias=tuple(getattr(args, "logit_bias", [])))
 
 
 def speculate_arg(p: argparse.ArgumentParser, builds: bool) -> None:

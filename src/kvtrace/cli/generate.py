@@ -101,15 +101,7 @@ def generate_text(ui: UI, art: Any, prompt: str, args: argparse.Namespace, max_n
 
 def bind_grammar(art: Any, constraint: Any) -> Any:
     """``constraint`` (``constraint_of``'s) compiled for the artifact's tokenizer and stop ids, or None."""
-    if constraint is None:
-        return None
-    from kvtrace.runtime.grammar import Grammar
-
-    tok = art.tokenizer()
-    if tok is None:
-        raise UsageError(f"{art.path} has no tokenizer, which structured output needs; export it from a model source "
-                         "that has one")
-    return Grammar(constraint, tok, art.manifest.eos_ids)
+    return None if constraint is None else art.grammar(constraint)
 
 
 class Switch:

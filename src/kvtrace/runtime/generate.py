@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvtrace._errors import CacheOverflowError, UsageError
-from kvtrace.runtime.grammar import Grammar, GrammarState
+from kvtrace.runtime.grammar import Grammar, GrammarState, checked_grammar
 from kvtrace.runtime.session import Session
 
 __all__ = ["Chunk", "Generation", "GenerationResult", "GenerationStats", "Penalties", "Sampling", "generate", "sample",
@@ -261,7 +261,7 @@ class Generation:
                  decode_text: Callable[[list[int]], str] | None, inputs: Mapping[str, torch.Tensor] | None,
                  speculate: int = 0, draft_context: Sequence[int] = (), grammar: Grammar | None = None):
         self._sampling = sampling or Sampling()
-        self._grammar = _checked_grammar(grammar, eos_ids)
+        self._grammar = checked_grammar(grammar, eos_ids)
         self._drafter = _drafter(session, speculate)
         if self._drafter is not None:
             self._drafter.extend(draft_context)
@@ -415,9 +415,10 @@ class Generation:
                 return
             drafter.extend(out)
             most = min(pace.draft_len(drafter.k), max_new - n - 1)
-            # under a constraint, what it forces next (a JSON key, the punctuation around it) drafts first
+            # under a constraint, what it forces next (a JSON key, the punctuation around it) drafts first, then
+            # prompt lookup from there
             forced = gs.forced()[:most] if gs is not None and most > 0 else []
-            draft = forced or drafter.propose(most)
+            draft = forced + drafter.propose(most - len(forced), after=forced)
             if draft and pace.worth():  # a probe is spent only on a draft
                 draft = draft[: draft_room(session, len(draft))]
             else:
@@ -432,21 +433,6 @@ class Generation:
                 else:
                     rows = [session._decode_sampled(tok)[:, -1]]
             st.calls += 1
-
-
-def _checked_grammar(grammar: Grammar | None, eos_ids: Sequence[int]) -> Grammar | None:
-    """``grammar`` once it is a Grammar whose stop ids the generation stops at too."""
-    if grammar is None:
-        return None
-    if not isinstance(grammar, Grammar):
-        raise UsageError(f"grammar= takes a kvtrace.Grammar (a Constraint bound to the tokenizer: "
-                         f"artifact.grammar(constraint)), got {type(grammar).__name__}")
-    extra = sorted(set(grammar.eos_ids) - {int(i) for i in eos_ids})
-    if extra:
-        raise UsageError(f"the grammar lets the output end with stop ids {extra}, which this generation does not "
-                         f"stop at (its eos_ids: {sorted(int(i) for i in eos_ids)}); bind the grammar with the "
-                         "generation's own stop ids")
-    return grammar
 
 
 def _drafter(session: Session, speculate: int) -> Any:

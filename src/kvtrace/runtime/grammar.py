@@ -32,7 +32,7 @@ import torch
 
 from kvtrace._errors import UnsupportedError, UsageError
 
-__all__ = ["Constraint", "ConstraintKind", "Grammar", "GrammarState", "warm"]
+__all__ = ["Constraint", "ConstraintKind", "Grammar", "GrammarState", "checked_grammar", "warm"]
 
 INSTALL = "pip install 'kvtrace[grammar]' (llguidance)"
 # JSON whitespace between tokens: a line break and up to 32 spaces or tabs of indentation, or up to 2 spaces; bounded
@@ -219,6 +219,22 @@ class Grammar:
 
     def __repr__(self) -> str:
         return f"Grammar({self.constraint.describe()!r})"
+
+
+def checked_grammar(grammar: Grammar | None, eos_ids: Sequence[int]) -> Grammar | None:
+    """``grammar`` (or None) once it is a Grammar whose stop ids are among ``eos_ids``, the ids the generation or
+    request stops at (a stop id the grammar allows but the caller would not stop at would end up in the text)."""
+    if grammar is None:
+        return None
+    if not isinstance(grammar, Grammar):
+        raise UsageError(f"grammar= takes a kvtrace.Grammar (a Constraint bound to the tokenizer: "
+                         f"artifact.grammar(constraint)), got {type(grammar).__name__}")
+    extra = sorted(set(grammar.eos_ids) - {int(i) for i in eos_ids})
+    if extra:
+        raise UsageError(f"the grammar lets the output end with stop ids {extra}, which this generation does not "
+                         f"stop at (its eos_ids: {sorted(int(i) for i in eos_ids)}); bind the grammar with the "
+                         "generation's own stop ids")
+    return grammar
 
 
 def _first_line(text: str) -> str:

@@ -57,8 +57,8 @@ from typing import Any
 import torch
 
 from kvtrace._errors import CacheOverflowError, KvtraceError, UsageError
-from kvtrace.runtime.generate import Penalties, Sampling, _checked_grammar, _TextStream, sample
-from kvtrace.runtime.grammar import Grammar
+from kvtrace.runtime.generate import Penalties, Sampling, _TextStream, sample
+from kvtrace.runtime.grammar import Grammar, checked_grammar
 from kvtrace.runtime.prefix import reusable
 from kvtrace.spec.cache import CacheSpec
 from kvtrace.spec.program import ProgramSpec
@@ -304,7 +304,7 @@ class SlotEngine:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_TOP_LOGPROBS):
             raise UsageError(f"logprobs must be None or a whole number of alternatives in [0, {MAX_TOP_LOGPROBS}], "
                              f"got {k!r}")
-        _checked_grammar(request.grammar, request.stop_ids)
+        checked_grammar(request.grammar, request.stop_ids)
         return m if m is not None else limit - n
 
     def admit(self, request: SlotRequest) -> tuple[int, SlotEvent | None]:

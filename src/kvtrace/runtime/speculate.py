@@ -76,15 +76,18 @@ class NgramDrafter:
                 if end >= n:
                     self._after[tuple(self.tokens[end - n : end])] = end
 
-    def propose(self, most: int | None = None) -> list[int]:
-        """Up to ``min(k, most)`` tokens to try next (empty when the history's tail never occurred before)."""
+    def propose(self, most: int | None = None, after: Sequence[int] = ()) -> list[int]:
+        """Up to ``min(k, most)`` tokens to try next (empty when the history's tail never occurred before);
+        ``after``: tokens taken to follow the history first (e.g. a draft's start that a grammar forces), not
+        indexed."""
         most = self.k if most is None else min(self.k, most)
         if most <= 0:
             return []
+        tail = [*self.tokens[-self.max_ngram :], *after] if after else self.tokens
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(self.tokens) < n:
+            if len(tail) < n:
                 continue
-            at = self._after.get(tuple(self.tokens[-n:]))  # an earlier occurrence: the tail's own is not indexed
+            at = self._after.get(tuple(tail[-n:]))  # an earlier occurrence: the tail's own is not indexed
             if at is not None:
                 return self.tokens[at : at + most]
         return []
