@@ -246,6 +246,26 @@ def test_logit_bias_over_http_equals_a_solo_run(server, client):
         assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
 
 
+def test_tokenize_and_detokenize_as_vllm_and_llama_cpp_offer_them(server):
+    tok = server.solo.tokenizer()
+    post = lambda path, body: httpx.post(server.url + path, json=body)  # noqa: E731
+    r = post("/tokenize", {"prompt": "hello the cat"}).json()
+    want = tok.encode("hello the cat", add_special_tokens=True).ids
+    assert r == {"tokens": want, "count": len(want), "max_model_len": MAX_SEQ}
+    assert post("/tokenize", {"content": "hello the cat", "add_special": False}).json()["tokens"] == \
+        tok.encode("hello the cat", add_special_tokens=False).ids  # llama.cpp's spelling
+    msgs = [{"role": "user", "content": "hello the cat"}]
+    assert post("/tokenize", {"messages": msgs}).json()["tokens"] == server.chat_ids(msgs)  # as chat renders it
+    back = post("/detokenize", {"tokens": want}).json()
+    assert back["prompt"] == back["content"] == tok.decode(want, skip_special_tokens=False)
+    for path, body, words in [("/tokenize", {"prompt": 3}, "prompt (a string) or messages"),
+                              ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, "true or false"),
+                              ("/detokenize", {"tokens": [1, "x"]}, "array of token ids"),
+                              ("/detokenize", {"tokens": [99]}, "token id 99 is outside the vocabulary [0, 8)")]:
+        bad = post(path, body)
+        assert bad.status_code == 400 and words in bad.json()["error"]["message"], bad.text
+
+
 def test_models_health_and_metrics(server, client):
     models = client.models.list()
     assert [m.id for m in models.data] == [server.art.manifest.model_name]

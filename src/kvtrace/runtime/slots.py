@@ -227,6 +227,11 @@ class SlotEngine:
 
     # --- what is running ------------------------------------------------------------------------------
     @property
+    def vocab_size(self) -> int | None:
+        """Token ids a request may hold: [0, vocab_size) (None: not checked)."""
+        return self._vocab
+
+    @property
     def active(self) -> tuple[int, ...]:
         """Slots holding a request (decoding or still prefilling), in slot order."""
         return tuple(sorted(self._slots))

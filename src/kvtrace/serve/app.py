@@ -230,6 +230,23 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
                 job.cancel()
                 worker.wake()
 
+    def tokens_route(endpoint: str) -> Callable:
+        async def handler(request: Request) -> Any:
+            try:
+                if not authorized(request):
+                    raise ApiError("missing or wrong API key (Authorization: Bearer <key>)", status=401,
+                                   code="invalid_api_key")
+                body = await read_body(request)
+                out = (protocol.tokenize(body, renderer, engine.max_seq_len) if endpoint == "tokenize"
+                       else protocol.detokenize(body, renderer, engine.vocab_size))
+            except ApiError as e:
+                answered(endpoint, e.status)
+                return _error(e)
+            answered(endpoint, 200)
+            return _json(200, out)
+
+        return handler
+
     async def models(request: Request) -> Any:
         if not authorized(request):
             answered("models", 401)
@@ -252,7 +269,8 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
     async def http_error(request: Request, exc: HTTPException) -> Any:
         what = {404: "not found", 405: "method not allowed"}.get(exc.status_code, exc.detail)
         return _json(exc.status_code, protocol.error_body(
-            f"{request.method} {request.url.path}: {what}. Endpoints: POST /v1/chat/completions, POST "
+            f"{request.method} {request.url.path}: {what}. Endpoints: POST /v1/chat/completions, POST /tokenize, POST "
+            "/detokenize, POST "
             "/v1/completions, GET /v1/models, GET /health, GET /metrics"))
 
     async def server_error(request: Request, exc: Exception) -> Any:
@@ -274,6 +292,8 @@ def make_app(engine: SlotEngine, renderer: Renderer, config: ServeConfig) -> Any
             Route("/v1/chat/completions", generation("chat", protocol.chat_request, True), methods=["POST"]),
             Route("/v1/completions", generation("completions", protocol.completion_request, False), methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokens_route("tokenize"), methods=["POST"]),
+            Route("/detokenize", tokens_route("detokenize"), methods=["POST"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_route, methods=["GET"]),
         ],

@@ -36,7 +36,8 @@ from kvtrace.runtime.grammar import Constraint, Grammar
 from kvtrace.runtime.slots import MAX_TOP_LOGPROBS, FinishReason, SlotRequest, TokenLogprobs
 from kvtrace.serve.tools import ToolCall, Tools, assistant_calls, parse_tools, render_history
 
-__all__ = ["MAX_STOP", "ApiError", "Prompted", "Renderer", "chat_request", "completion_request", "error_body"]
+__all__ = ["MAX_STOP", "ApiError", "Prompted", "Renderer", "chat_request", "completion_request", "detokenize",
+           "error_body", "tokenize"]
 
 MAX_STOP = 4  # OpenAI's bound on stop sequences
 GRAMMAR_CACHE = 64  # compiled response formats a server keeps (each ~1 ms to compile, a few KiB)
@@ -486,6 +487,36 @@ def completion_request(body: dict[str, Any], renderer: Renderer, model: str) -> 
     req, stream, usage = _common(body, COMPLETIONS_DEFAULT_MAX_TOKENS, renderer, ids,
                                  _int({"logprobs": logprobs}, "logprobs", 0, MAX_COMPLETION_LOGPROBS))
     return Prompted(req, stream, usage, model)
+
+
+def tokenize(body: dict[str, Any], renderer: Renderer, max_seq_len: int) -> dict[str, Any]:
+    """POST /tokenize (vLLM's and llama.cpp's): ``prompt`` (or llama.cpp's ``content``) encoded as /v1/completions
+    encodes it (``add_special_tokens``, default true), or ``messages`` rendered as /v1/chat/completions renders
+    them -> {"tokens", "count", "max_model_len"}: what to count a prompt with, or to find logit_bias ids."""
+    if body.get("messages") is not None:
+        ids = renderer.chat(render_history(_messages(body), None))
+    else:
+        text = body.get("prompt", body.get("content"))
+        if not isinstance(text, str):
+            raise ApiError(f"tokenize takes prompt (a string) or messages, got prompt {_short(text)}", param="prompt")
+        add = body.get("add_special_tokens", body.get("add_special", True))
+        if not isinstance(add, bool):
+            raise ApiError(f"add_special_tokens must be true or false, got {_short(add)}", param="add_special_tokens")
+        ids = renderer.tokenizer.encode(text, add_special_tokens=add).ids
+    return {"tokens": ids, "count": len(ids), "max_model_len": max_seq_len}
+
+
+def detokenize(body: dict[str, Any], renderer: Renderer, vocab: int | None) -> dict[str, Any]:
+    """POST /detokenize: ``tokens`` (ids in the vocabulary) -> their text, special tokens kept, under vLLM's key
+    ``prompt`` and llama.cpp's ``content``."""
+    ids = body.get("tokens")
+    if (not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+        raise ApiError(f"tokens must be an array of token ids, got {_short(ids)}", param="tokens")
+    bad = [i for i in ids if i < 0 or (vocab is not None and i >= vocab)]
+    if bad:
+        raise ApiError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", param="tokens")
+    text = renderer.tokenizer.decode(ids, skip_special_tokens=False)
+    return {"prompt": text, "content": text}
 
 
 def _validate_scalars(body: dict[str, Any]) -> None:
