@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -127,10 +126,7 @@ class Constraint:
     def check(self) -> Constraint:
         """This constraint once llguidance accepts it (a UsageError naming what is wrong otherwise); no tokenizer
         needed, so a command can refuse a bad pattern before it loads or compiles anything."""
-        llg = _llguidance()
-        bad, messages = llg.LLMatcher.validate_grammar_with_warnings(self._llg_grammar(), None)
-        if bad:
-            raise UsageError(f"invalid {self.kind.replace('_', ' ')}: {_first_line(messages[0])}")
+        _validated(self, self._llg_grammar(), None)
         return self
 
     def describe(self) -> str:
@@ -201,16 +197,10 @@ class Grammar:
         self._tok = _lltokenizer(text, self.eos_ids)
         if isinstance(self._tok, UnsupportedError):
             raise self._tok
-        llg = _llguidance()
-        self._grammar = constraint._llg_grammar()
-        bad, messages = llg.LLMatcher.validate_grammar_with_warnings(self._grammar, self._tok)
-        if bad:
-            raise UsageError(f"invalid {constraint.kind.replace('_', ' ')}: {_first_line(messages[0])}")
-        self.warnings = tuple(messages)
+        self._grammar = _validated(constraint, constraint._llg_grammar(), self._tok)
         self.vocab_size = self._tok.vocab_size  # tokens the mask covers (logits past it are never allowed)
         # with no stop ids llguidance still names an end-of-text token of its own: never allowed here
         self._foreign_eos = () if self.eos_ids else tuple(self._tok.eos_tokens)
-        self.key = hashlib.sha256(f"{constraint.kind}\0{constraint.text}".encode()).hexdigest()[:16]
 
     def start(self) -> GrammarState:
         """A fresh state at the start of the output."""
@@ -234,6 +224,14 @@ def checked_grammar(grammar: Grammar | None, eos_ids: Sequence[int]) -> Grammar 
         raise UsageError(f"the grammar lets the output end with stop ids {extra}, which this generation does not "
                          f"stop at (its eos_ids: {sorted(int(i) for i in eos_ids)}); bind the grammar with the "
                          "generation's own stop ids")
+    return grammar
+
+
+def _validated(constraint: Constraint, grammar: str, tokenizer: Any) -> str:
+    """``grammar`` (llguidance's form of ``constraint``) once llguidance accepts it, with ``tokenizer`` or None."""
+    bad, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+    if bad:
+        raise UsageError(f"invalid {constraint.kind.replace('_', ' ')}: {_first_line(messages[0])}")
     return grammar
 
 
@@ -299,13 +297,6 @@ class GrammarState:
             self._check()
             raise UsageError(f"token {int(token)} is not allowed here by the constraint")  # a caller bypassed mask
         self.tokens += 1
-
-    def rollback(self, n: int) -> None:
-        """Forget the last ``n`` tokens advanced."""
-        if n:
-            if n > self.tokens or not self._m.rollback(n):
-                raise UsageError(f"cannot roll the constraint back {n} tokens; {self.tokens} were advanced")
-            self.tokens -= n
 
     def _check(self) -> None:
         if self._m.is_error():

@@ -161,11 +161,14 @@ class Renderer:
         """Build llguidance's view of the tokenizer now (a server calls this in a thread as it starts)."""
         from kvtrace.runtime.grammar import warm
 
-        if self.tokenizer is None:
-            return
+        if self.tokenizer is not None:
+            warm(self._json(), self.eos_ids)
+
+    def _json(self) -> str:
+        """The tokenizer as JSON text, made once (llguidance's views of it are keyed by this string)."""
         if self._tokenizer_json is None:
             self._tokenizer_json = self.tokenizer.to_str()
-        warm(self._tokenizer_json, self.eos_ids)
+        return self._tokenizer_json
 
     def grammar(self, constraint: Constraint, stop_ids: Sequence[int], param: str = "response_format") -> Grammar:
         """``constraint`` compiled for the tokenizer (kept: clients repeat their schemas); an ApiError naming
@@ -175,10 +178,8 @@ class Renderer:
         key = (constraint, tuple(stop_ids))
         if key in self._grammars:
             return self._grammars[key]
-        if self._tokenizer_json is None:
-            self._tokenizer_json = self.tokenizer.to_str()
         try:
-            grammar = Grammar(constraint, self._tokenizer_json, stop_ids)
+            grammar = Grammar(constraint, self._json(), stop_ids)
         except UnsupportedError as e:
             raise ApiError(f"{param}: {e}", param=param, code="unsupported_parameter") from None
         except UsageError as e:
